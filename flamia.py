@@ -1,0 +1,1282 @@
+"""
+FLAMIA: FLAsh MIcroscaling Attention — FP8 / MXFP8 flash attention for training causal
+language models on packed variable-length documents, causally safe by construction.
+
+A from-scratch, single-file reimplementation of the method of "FLAMIA: FLAsh MIcroscaling
+Attention for Fast and Causally Safe Training on Blackwell" (arXiv 2611.03344). Only the
+paper's abstract is public; everything here is derived from it, from public analyses of the
+low-precision leak (MatX, TransformerEngine #3248, cuDNN-frontend #983/#1123) and from
+measurements on an H200. Reading order (each section starts with a `# ---` divider):
+
+  1. formats          E4M3 elements, E8M0 power-of-two scales (MXFP8); NVFP4 (E2M1 + E4M3 + FP32)
+  2. scaling & plan   token-block, document-local scaling; the Plan (tiles of packed documents)
+  3. quantizers       PyTorch reference and the fused Triton quantizer (bit-identical)
+  4. reference oracle the exact function every recipe computes, plus exact fp64 attention
+  5. kernels          fused Triton forward / backward, with the causal safeguard
+  6. public API       autograd + torch custom ops: flamia_attn_varlen_func, flamia_attn_func
+
+The leak, in one paragraph. A scale shared by several tokens is a function of all of them. If
+key j's quantized value depends on a later token j' of its block, a query i with j <= i < j'
+sees the future through j's rounding. FLAMIA therefore (a) scales Q per token, (b) scales K, V
+and dO per block of `block_tokens` consecutive tokens of ONE document and ONE head (blocks
+restart at every document start, so nothing crosses documents), and (c) applies a *targeted
+safeguard*: for the (query, key) pairs whose key block straddles the query position — only on
+the diagonal — the kernel uses a per-token quantized copy of K and V instead. Everything that
+is a statistic over the sequence (the online-softmax max, the P scale) is taken per query row
+over that row's visible keys only.
+
+Limitations
+  * head_dim 64 or 128; inputs bf16 or fp16; Q and K/V documents given by cu_seqlens (int32).
+  * Causal alignment when seqlen_q != seqlen_k is bottom-right (as flash-attn).
+  * Non-finite inputs: the quantizer encodes a non-finite block as NaN (E8M0 0xFF and E4M3
+    NaN), so outputs that depend on it are NaN, never finite garbage; the public functions raise
+    a ValueError when `check_finite=True` (default; costs one host sync per call).
+
+What was run where (see README): every kernel runs under Triton's CPU interpreter in CI and on
+an H200 (sm_90). The Blackwell path (`backend="dot_scaled"`, native E8M0 scales through
+`tl.dot_scaled`) has only run under the interpreter and through its bf16 emulation on Hopper.
+"""
+import math
+import os
+import weakref
+
+import torch
+import triton
+import triton.language as tl
+
+# ---------------------------------------------------------------------------------------------
+# 1. Formats
+# ---------------------------------------------------------------------------------------------
+# MXFP8 element: E4M3 (torch.float8_e4m3fn / tl.float8e4nv): 1 sign, 4 exponent, 3 mantissa
+# bits, max 448, no infinities, one NaN pattern (0x7F / 0xFF).
+# MX scale: E8M0, a bare biased exponent byte e meaning 2^(e - 127); 0xFF is NaN.
+#
+# THE SCALE RULE (the production one, TransformerEngine / cuDNN): the scale of a block is the
+# smallest power of two s with amax / s <= 448, so nothing ever saturates. It is computed from
+# the bits of amax, exactly, with no division or log that could round differently on the CPU,
+# the GPU and the interpreter. Write amax = m * 2^E with m in [1, 2):
+#     amax / 2^k <= 448 = 1.75 * 2^8   <=>   k >= E - 8 + (m > 1.75)
+# so the biased exponent is e = E_biased - 8 + (mantissa bits > 0x600000), clamped to >= 1.
+# The clamp makes tiny and all-zero blocks well defined: amax < 2^-118 gets s = 2^-126 (and
+# amax / s < 256), an all-zero block quantizes to exact zeros. Keeping e >= 1 also keeps every
+# scale a *normal* fp32 number, so kernels build it with a shift instead of an exp2.
+# A non-finite amax (E_biased == 255) gets e = 0xFF (NaN), and its elements are E4M3 NaN.
+E4M3_MAX = 448.0
+E8M0_NAN = 255
+E2M1_MAX = 6.0
+NVFP4_BLOCK = 16  # NVFP4: one E4M3 scale per 16 elements along the head dim
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of code 0..7
+
+
+def e8m0_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """The scale rule: uint8 E8M0 exponent of the smallest power of two s with amax/s <= 448."""
+    bits = amax.float().view(torch.int32)
+    biased = (bits >> 23) & 0xFF
+    e = biased - 8 + ((bits & 0x7FFFFF) > 0x600000).int()
+    e = torch.where(biased == 255, E8M0_NAN, e.clamp(min=1))
+    return e.to(torch.uint8)
+
+
+def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
+    """2^(e - 127) as fp32; NaN for 0xFF."""
+    s = torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.int() - 127)  # exact
+    return torch.where(e == E8M0_NAN, torch.nan, s)
+
+
+def e4m3_encode(x_over_s: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest-even E4M3 of x / s (already divided); NaN where the scale is NaN."""
+    q = x_over_s.clamp(-E4M3_MAX, E4M3_MAX)  # torch's cast gives NaN above 448; the GPU saturates
+    q = torch.where(e == E8M0_NAN, torch.nan, q)
+    return q.to(torch.float8_e4m3fn)
+
+
+# NVFP4 (reference only; the kernels take it in a later step): E2M1 elements (values
+# +-{0, .5, 1, 1.5, 2, 3, 4, 6}) in 16-element blocks along the head dim, an E4M3 scale per
+# block, and a second-level FP32 scale. The usual second level is ONE amax over the whole
+# tensor, which is a statistic over every token of every document: it leaks across time and
+# documents. Here it is per token and head: s2 = amax(token, head) / (448 * 6).
+def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest-even onto the E2M1 grid, saturating at 6. Returns uint8 codes 0..15
+    (bit 3 = sign, bits 0-2 = magnitude index into E2M1_VALUES)."""
+    a = x.abs()
+    # Boundaries between neighbours; a tie goes to the even mantissa (0, 1, 2, 4 have mantissa 0):
+    # 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4.
+    k = ((a > 0.25).int() + (a >= 0.75).int() + (a > 1.25).int() + (a >= 1.75).int()
+         + (a > 2.5).int() + (a >= 3.5).int() + (a > 5.0).int())
+    return (k + 8 * (x < 0).int()).to(torch.uint8)
+
+
+def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
+    lut = torch.tensor(E2M1_VALUES, device=code.device)
+    mag = lut[(code & 7).long()]
+    return torch.where((code & 8) != 0, -mag, mag)
+
+
+def quantize_nvfp4_reference(x: torch.Tensor):
+    """x: (T, H, D) -> (packed (T, H, D//2) uint8 [two E2M1 codes per byte, first element in the
+    low nibble], block scales (T, H, D//16) float8_e4m3fn, per-token scale (T, H) fp32)."""
+    _check_thd(x, "x")
+    T, H, D = x.shape
+    xf = x.float()
+    amax_tok = xf.abs().amax(-1)  # (T, H)
+    s2 = amax_tok / (E4M3_MAX * E2M1_MAX)
+    s2 = torch.where(s2 > 0, s2, torch.ones_like(s2))  # all-zero token: any scale, codes are 0
+    xb = xf.view(T, H, D // NVFP4_BLOCK, NVFP4_BLOCK)
+    sb = (xb.abs().amax(-1) / E2M1_MAX / s2[..., None]).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    denom = sb.float() * s2[..., None]
+    denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+    codes = e2m1_encode(xb / denom[..., None]).view(T, H, D)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed, sb, s2
+
+
+def dequantize_nvfp4(packed: torch.Tensor, sb: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
+    T, H, D2 = packed.shape
+    codes = torch.stack([packed & 15, packed >> 4], dim=-1).view(T, H, 2 * D2)
+    vals = e2m1_decode(codes).view(T, H, -1, NVFP4_BLOCK)
+    return (vals * sb.float()[..., None] * s2[..., None, None]).view(T, H, 2 * D2)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Token-block, document-local scaling, and the Plan (the varlen scheduler)
+# ---------------------------------------------------------------------------------------------
+# Packed documents come as THD tensors (total_tokens, heads, head_dim) plus cu_seqlens, the
+# int32 offsets [0, L0, L0+L1, ..., total] of the documents (flash-attn's convention; zero-length
+# documents are legal). A scale block is `block_tokens` (B_t) consecutive tokens of ONE document
+# and ONE head, over the whole head dim; blocks restart at every document start, so no block,
+# and no statistic, ever spans two documents. Every token carries a copy of its block's E8M0
+# byte, stored head-major (H, T) so that a kernel reads a tile's scales with one contiguous load.
+#
+# The Plan cuts every document into tiles that never cross a document boundary, aligned to the
+# document start: the quantizer works on 128-token tiles (a multiple of every B_t, so each tile
+# holds whole scale blocks) and the attention kernels on query tiles (forward, dQ) or key tiles
+# (dK/dV). Per document, only the tiles that contain unmasked pairs exist at all, so no program is
+# ever launched on a fully masked tile, and documents of length 0, 1 or 33 need no special case.
+# Work items are sorted heaviest first (longest-processing-time order): the GPU picks programs
+# up roughly in launch order, so the long causal rows start first and the short ones fill the
+# tail. The Plan reads cu_seqlens to the host ONCE (the only host sync) and caches its tables;
+# build it once per batch and pass it to every layer, like FlexAttention's BlockMask.
+BLOCK_TOKENS = (1, 32, 64, 128)
+QUANT_TILE = 128  # tokens per quantizer program; a multiple of every B_t
+PAD_ALIGN = 16  # document starts in token-transposed layouts are padded to 16 tokens (16-byte loads)
+HEAD_DIMS = (64, 128)
+# Columns of a tile table (int32, one row per work item). "own" is the document the tile lives in
+# (queries for query tiles, keys for key tiles), "other" the matching document on the other side.
+TILE_START, TILE_END, OWN_START, OWN_END, OTHER_START, OTHER_END, OTHER_PAD, OWN_PAD = range(8)
+
+
+def _check_thd(x, name: str, dims: int = 3) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != dims:
+        shape = "(total_tokens, heads, head_dim)" if dims == 3 else "(batch, seqlen, heads, head_dim)"
+        raise ValueError(f"{name} must have {dims} dims {shape}, got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        raise TypeError(f"{name} must be bfloat16 or float16, got {x.dtype}")
+    if x.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"{name} has head_dim {x.shape[-1]}; supported head dims are {HEAD_DIMS}")
+
+
+def _check_block_tokens(block_tokens) -> None:
+    if block_tokens not in BLOCK_TOKENS:
+        raise ValueError(f"block_tokens must be one of {BLOCK_TOKENS}, got {block_tokens!r}")
+
+
+def _check_cu_seqlens(cu: torch.Tensor, total: int, name: str, device) -> None:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32 offsets, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32 (flash-attn convention), got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be 1-D with at least 2 entries [0, ..., total], got shape {tuple(cu.shape)}")
+    if device is not None and cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but the tensors are on {device}")
+
+
+def _check_offsets(offsets: list, total: int, name: str) -> None:
+    if offsets[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {offsets[0]}")
+    if any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"{name} must be non-decreasing, got {offsets}")
+    if total is not None and offsets[-1] != total:
+        raise ValueError(f"{name} must end at the total number of tokens {total}, got {offsets[-1]}")
+
+
+class Plan:
+    """The schedule of one packed batch: documents, tiles and their order.
+
+    cu_seqlens_q / cu_seqlens_k: int32 (n_docs + 1,) offsets on the tensors' device (k defaults to
+    q: the training case). Build it once per batch; every layer's forward and backward reuse it.
+    """
+
+    def __init__(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor = None, total_q: int = None,
+                 total_k: int = None):
+        cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
+        _check_cu_seqlens(cu_seqlens_q, total_q, "cu_seqlens_q", None)
+        _check_cu_seqlens(cu_seqlens_k, total_k, "cu_seqlens_k", cu_seqlens_q.device)
+        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of documents, "
+                             f"got {cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}")
+        self.offsets_q = cu_seqlens_q.tolist()  # the one host sync of a batch
+        self.offsets_k = self.offsets_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.tolist()
+        _check_offsets(self.offsets_q, total_q, "cu_seqlens_q")
+        _check_offsets(self.offsets_k, total_k, "cu_seqlens_k")
+        self.device = cu_seqlens_q.device
+        self.cu_seqlens_q, self.cu_seqlens_k = cu_seqlens_q, cu_seqlens_k
+        self.total_q, self.total_k = self.offsets_q[-1], self.offsets_k[-1]
+        self.max_seqlen_q = max(b - a for a, b in zip(self.offsets_q, self.offsets_q[1:]))
+        self.max_seqlen_k = max(b - a for a, b in zip(self.offsets_k, self.offsets_k[1:]))
+        pad = lambda offs: [0] + torch.cumsum(torch.tensor([-(-(b - a) // PAD_ALIGN) * PAD_ALIGN for a, b in
+                                                            zip(offs, offs[1:])]), 0).tolist()
+        self.pad_q, self.pad_k = pad(self.offsets_q), pad(self.offsets_k)
+        self.padded_q, self.padded_k = max(self.pad_q[-1], PAD_ALIGN), max(self.pad_k[-1], PAD_ALIGN)
+        lens = [(b - a, d - c) for a, b, c, d in zip(self.offsets_q, self.offsets_q[1:], self.offsets_k, self.offsets_k[1:])]
+        # Rows that see no key at all (bottom-right causal with Lq > Lk, or an empty key document):
+        # their tiles are never launched, so their outputs must start as 0 (and their LSE as -inf).
+        self.rows_without_keys = {True: any(lq > lk for lq, lk in lens), False: any(lk == 0 < lq for lq, lk in lens)}
+        self.keys_without_rows = any(lq == 0 < lk for lq, lk in lens)  # their dK, dV must start as 0
+        self._tables = {}
+
+    @classmethod
+    def dense(cls, batch: int, seqlen_q: int, seqlen_k: int, device) -> "Plan":
+        """Plan for (B, S, H, D) inputs: B equal documents, built without any host sync."""
+        cu = lambda s: torch.arange(0, (batch + 1) * s, s, dtype=torch.int32)
+        plan = cls(cu(seqlen_q), cu(seqlen_k))  # host tensors: no sync
+        plan.device = torch.device(device)
+        plan.cu_seqlens_q, plan.cu_seqlens_k = (c.to(plan.device) for c in (plan.cu_seqlens_q, plan.cu_seqlens_k))
+        return plan
+
+    def tiles(self, block: int, side: str, causal: bool = True, skip_masked: bool = True) -> torch.Tensor:
+        """(n_tiles, 8) int32 tile table (columns TILE_START..OWN_PAD) of `block`-token tiles of the
+        `side` ("q" or "k") documents, heaviest work first, on the plan's device (cached).
+        skip_masked=False keeps tiles without any unmasked pair (the quantizer must see every token)."""
+        key = (block, side, causal, skip_masked)
+        if key not in self._tables:
+            own, other = (self.offsets_q, self.offsets_k) if side == "q" else (self.offsets_k, self.offsets_q)
+            own_pad, other_pad = (self.pad_q, self.pad_k) if side == "q" else (self.pad_k, self.pad_q)
+            rows, costs = [], []
+            for d in range(len(own) - 1):
+                o0, o1, t0, t1 = own[d], own[d + 1], other[d], other[d + 1]
+                shift = (t1 - t0) - (o1 - o0)  # bottom-right causal alignment: key pos <= query pos + shift
+                for s in range(o0, o1, block):
+                    e = min(s + block, o1)
+                    if not causal or not skip_masked:
+                        cost = t1 - t0
+                    elif side == "q":  # keys visible to the tile's last row
+                        cost = min(t1 - t0, max(0, e - o0 + shift))
+                    else:  # queries that see the tile's first key
+                        cost = min(t1 - t0, max(0, t1 - t0 - max(0, s - o0 - shift)))
+                    if cost == 0 and skip_masked:
+                        continue  # fully masked tile: never launched (outputs of such rows are set to 0)
+                    rows.append((s, e, o0, o1, t0, t1, other_pad[d], own_pad[d]))
+                    costs.append(cost)
+            order = sorted(range(len(rows)), key=lambda i: -costs[i])  # LPT: heaviest first
+            table = torch.tensor([rows[i] for i in order], dtype=torch.int32).view(-1, 8)
+            self._tables[key] = table.to(self.device)
+        return self._tables[key]
+
+
+def token_block_start(cu_seqlens: torch.Tensor, total: int, block_tokens: int) -> torch.Tensor:
+    """(T,) int64: the index of the first token of each token's scale block (document-local)."""
+    t = torch.arange(total, device=cu_seqlens.device)
+    cu = cu_seqlens.long()
+    doc = torch.searchsorted(cu, t, right=True) - 1  # the document of each token (skips empty ones)
+    start = cu[doc]
+    return start + (t - start) // block_tokens * block_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Quantizers: PyTorch reference and the fused Triton kernel (bit-identical)
+# ---------------------------------------------------------------------------------------------
+# quantize(x) for x of shape (T, H, D), block size B_t:
+#     amax[t, h]  = max_d |x[t, h, d]|                        (per token)
+#     amax_b      = max over the B_t-token block of t          (document-local)
+#     e[h, t]     = scale rule(amax_b)                         (E8M0 byte, one copy per token)
+#     data[t,h,:] = E4M3(x[t, h, :] / 2^(e - 127))             (exact power-of-two division, RNE)
+# The same quantized tensor serves both matrix orientations: along the head dim its scale is
+# constant (a rank-1 post-scale of QK^T or dO V^T), along tokens it changes only every B_t tokens
+# (B_t = 32 is exactly an MX block along the contraction of P V, dS K, ...). Hopper's fp8 wgmma
+# wants its second operand K-major, so the Triton quantizer also writes a token-transposed copy
+# (H, D, T_padded) in the same pass when asked (each document starts at a 16-token boundary).
+class MXFP8(tuple):
+    """A quantized (T, H, D) tensor: data (T, H, D) float8_e4m3fn, exp (H, T) uint8 E8M0,
+    data_t (H, D, T_padded) float8_e4m3fn or None (token-transposed, documents 16-aligned)."""
+    __slots__ = ()
+
+    def __new__(cls, data, exp, data_t=None):
+        return super().__new__(cls, (data, exp, data_t))
+
+    data, exp, data_t = property(lambda s: s[0]), property(lambda s: s[1]), property(lambda s: s[2])
+
+    def dequantize(self) -> torch.Tensor:
+        return self.data.float() * e8m0_to_float(self.exp).t()[..., None]
+
+
+def quantize_mxfp8_reference(x: torch.Tensor, cu_seqlens: torch.Tensor, block_tokens: int = 1) -> MXFP8:
+    """The PyTorch definition of the quantizer (no transposed copy)."""
+    _check_thd(x, "x")
+    _check_block_tokens(block_tokens)
+    _check_cu_seqlens(cu_seqlens, x.shape[0], "cu_seqlens", x.device)
+    T, H, D = x.shape
+    amax = x.float().abs().amax(-1)  # (T, H); NaN propagates, so a NaN token gets e = 0xFF
+    if block_tokens > 1:
+        start = token_block_start(cu_seqlens, T, block_tokens)
+        idx = start[:, None].expand(T, H)
+        amax = torch.zeros_like(amax).scatter_reduce(0, idx, amax, "amax", include_self=False).gather(0, idx)
+    e = e8m0_exponent(amax)  # (T, H)
+    inv = torch.ldexp(torch.ones_like(amax), 127 - e.int().clamp(max=253))  # 1/s, exact; NaN blocks overwritten
+    data = e4m3_encode(x.float() * inv[..., None], e[..., None])
+    return MXFP8(data, e.t().contiguous())
+
+
+def transpose_tokens_reference(data: torch.Tensor, offsets: list) -> torch.Tensor:
+    """(T, H, D) -> (H, D, T_padded) with every document starting at a multiple of 16 tokens
+    (the layout the Triton quantizer writes; padding positions are left at zero here)."""
+    T, H, D = data.shape
+    lens = [b - a for a, b in zip(offsets, offsets[1:])]
+    padded = [-(-n // PAD_ALIGN) * PAD_ALIGN for n in lens]
+    out = torch.zeros(H, D, max(sum(padded), PAD_ALIGN), dtype=data.dtype, device=data.device)
+    p = 0
+    for a, n, pn in zip(offsets, lens, padded):
+        out[:, :, p:p + n] = data[a:a + n].permute(1, 2, 0)
+        p += pn
+    return out
+
+
+@triton.jit
+def _scale_exponent(amax):
+    """The scale rule on fp32 bits (see section 1): returns the E8M0 byte as int32."""
+    bits = amax.to(tl.int32, bitcast=True)
+    biased = (bits >> 23) & 0xFF
+    e = biased - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    return tl.where(biased == 255, 255, tl.maximum(e, 1))
+
+
+@triton.jit
+def _exp2_int(e):
+    """2^(e - 127) as fp32 for an int32 biased exponent e in [1, 254], by placing e in the
+    exponent field: exact, and cheaper than exp2 (255 gives +inf; callers handle NaN blocks)."""
+    return (e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize_store(x, amax, offs_t, offs_d, in_doc, doc_start, doc_pad, h, Y, E, YT, T, T_PAD,
+                    H: tl.constexpr, D: tl.constexpr, WRITE_T: tl.constexpr):
+    e = _scale_exponent(amax)
+    inv = _exp2_int(254 - tl.minimum(e, 253))  # 1/s = 2^(127 - e), exact
+    y = tl.where(e[:, None] == 255, float("nan"), x * inv[:, None]).to(tl.float8e4nv)  # RNE, saturating
+    tl.store(Y + (offs_t[:, None] * H + h) * D + offs_d[None, :], y, mask=in_doc[:, None])
+    tl.store(E + h * T + offs_t, e.to(tl.uint8), mask=in_doc)
+    if WRITE_T:
+        offs_p = doc_pad + (offs_t - doc_start)
+        tl.store(YT + (h * D + offs_d[None, :]) * T_PAD + offs_p[:, None], y, mask=in_doc[:, None])
+
+
+@triton.jit
+def _quantize_kernel(
+        X, TILES, FLAG,  # input (T, H, D), the Plan's 128-token tiles, int32 non-finite flag
+        Y, E, YT, Y_TOK, E_TOK, YT_TOK,  # outputs: data (T, H, D), exp (H, T), data_t (H, D, T_pad); *_TOK per token
+        stride_xt, stride_xh, T, T_PAD,  # strides of X (last dim contiguous); token counts
+        H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+        WRITE_T: tl.constexpr, WRITE_TOK: tl.constexpr):
+    tile, h = tl.program_id(0), tl.program_id(1)
+    row = TILES + tile * 8
+    start, end = tl.load(row + TILE_START), tl.load(row + TILE_END)
+    doc_start, doc_pad = tl.load(row + OWN_START), tl.multiple_of(tl.load(row + OWN_PAD), 16)
+    offs_t = start + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, D)
+    in_doc = offs_t < end
+    x = tl.load(X + offs_t[:, None] * stride_xt + h * stride_xh + offs_d[None, :], mask=in_doc[:, None],
+                other=0.0).to(tl.float32)
+    # Non-finite input: make amax +inf so the scale becomes NaN (tl.max may drop a NaN).
+    bad = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1)
+    amax = tl.where(bad != 0, float("inf"), tl.max(tl.abs(x), axis=1))  # (BLOCK_T,) per token
+    if WRITE_TOK:  # the per-token copy the causal safeguard uses on the diagonal
+        _quantize_store(x, amax, offs_t, offs_d, in_doc, doc_start, doc_pad, h, Y_TOK, E_TOK, YT_TOK, T, T_PAD,
+                        H, D, WRITE_T)
+    if BLOCK_TOKENS > 1:  # the tile starts at a block boundary and holds BLOCK_T // B_t whole blocks
+        amax = tl.max(tl.reshape(amax, (BLOCK_T // BLOCK_TOKENS, BLOCK_TOKENS)), axis=1)
+        amax = tl.reshape(tl.broadcast_to(amax[:, None], (BLOCK_T // BLOCK_TOKENS, BLOCK_TOKENS)), (BLOCK_T,))
+    _quantize_store(x, amax, offs_t, offs_d, in_doc, doc_start, doc_pad, h, Y, E, YT, T, T_PAD, H, D, WRITE_T)
+    tl.store(FLAG, 1, mask=tl.max(bad) != 0)  # any non-finite value: the host raises if asked
+
+
+def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str = "q", transposed: bool = False,
+                   per_token_copy: bool = False, nonfinite_flag: torch.Tensor = None):
+    """Fused Triton quantizer: ONE launch reads x (T, H, D) once and writes the block-scaled data, its
+    exponents, the token-transposed copy (transposed=True) and a per-token scaled copy
+    (per_token_copy=True, for the causal safeguard). `side` says whose documents x follows in
+    `plan` ("q" or "k"). nonfinite_flag: optional int32 (1,) tensor set to 1 if x holds inf/NaN
+    (no host sync here). Returns an MXFP8, or (block MXFP8, per-token MXFP8) with per_token_copy."""
+    _check_thd(x, "x")
+    _check_block_tokens(block_tokens)
+    T, H, D = x.shape
+    total = plan.total_q if side == "q" else plan.total_k
+    if T != total:
+        raise ValueError(f"x has {T} tokens but the plan's cu_seqlens_{side} ends at {total}")
+    if x.device != plan.device:
+        raise ValueError(f"x is on {x.device} but the plan is on {plan.device}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    t_pad = plan.padded_q if side == "q" else plan.padded_k
+
+    def alloc():
+        return MXFP8(torch.empty(T, H, D, dtype=torch.float8_e4m3fn, device=x.device),
+                     torch.empty(H, T, dtype=torch.uint8, device=x.device),
+                     torch.empty(H, D, t_pad, dtype=torch.float8_e4m3fn, device=x.device) if transposed else None)
+    out = alloc()
+    tok = alloc() if per_token_copy else out
+    flag = nonfinite_flag if nonfinite_flag is not None else torch.zeros(1, dtype=torch.int32, device=x.device)
+    tiles = plan.tiles(QUANT_TILE, side, causal=False, skip_masked=False)
+    if tiles.shape[0] > 0:
+        dt = lambda m: m.data_t if transposed else m.data  # unused pointer when not transposed
+        _quantize_kernel[(tiles.shape[0], H)](
+            x, tiles, flag, out.data, out.exp, dt(out), tok.data, tok.exp, dt(tok),
+            x.stride(0), x.stride(1), T, t_pad, H=H, D=D, BLOCK_T=QUANT_TILE, BLOCK_TOKENS=block_tokens,
+            WRITE_T=transposed, WRITE_TOK=per_token_copy, num_warps=4)
+    return (out, tok) if per_token_copy else out
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. The reference oracle
+# ---------------------------------------------------------------------------------------------
+# reference_attention() is THE definition of what a recipe computes: quantize with the recipe's
+# scaling, dequantize, then exact attention with per-document (causal) masking. The kernels are
+# tested against it; train_llama.py uses it as the CPU path. Quantizers are straight-through
+# (identity gradient), so autograd through it gives the gradients the kernels must reproduce.
+RECIPES = ("bf16", "mxfp8")
+
+
+def _fake_quant(x: torch.Tensor, cu_seqlens: torch.Tensor, block_tokens: int) -> torch.Tensor:
+    deq = quantize_mxfp8_reference(x.detach(), cu_seqlens, block_tokens).dequantize().to(x.dtype)
+    return x + (deq - x).detach()  # straight-through estimator
+
+
+def _doc_positions(cu_seqlens: torch.Tensor, total: int):
+    """(T,) document index and document start of every token."""
+    t = torch.arange(total, device=cu_seqlens.device)
+    doc = torch.searchsorted(cu_seqlens.long(), t, right=True) - 1
+    return doc, cu_seqlens.long()[doc]
+
+
+def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True, softmax_scale=None,
+                        recipe="mxfp8", block_tokens=1, safeguard=True, return_lse=False):
+    """q (Tq, H, D), k and v (Tk, Hk, D) packed documents -> o (Tq, H, D) [, lse (H, Tq) natural log].
+
+    Computes in fp32 (fp64 if q is fp64) on the recipe's dequantized operands:
+      recipe="bf16":  the inputs as they are.
+      recipe="mxfp8": Q per token, K and V per `block_tokens` block of one document (E4M3 + E8M0);
+                      with the safeguard, a (query i, key j) pair whose key block also holds the
+                      position of i uses per-token quantized k_j, v_j instead (no future token can
+                      then reach i through a shared scale). safeguard=False is the leaky setting.
+    Causal alignment is bottom-right within each document. Rows without any visible key give 0.
+    """
+    cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+    _check_block_tokens(block_tokens)
+    Tq, H, D = q.shape
+    Tk, Hk = k.shape[:2]
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    k_tok, v_tok = k, v
+    if recipe == "mxfp8":
+        q = _fake_quant(q, cu_seqlens_q, 1)  # Q is never block-scaled: its scale would leak along rows
+        k_tok, v_tok = _fake_quant(k, cu_seqlens_k, 1), _fake_quant(v, cu_seqlens_k, 1)
+        k, v = _fake_quant(k, cu_seqlens_k, block_tokens), _fake_quant(v, cu_seqlens_k, block_tokens)
+    q, k, v, k_tok, v_tok = (x.to(cdt) for x in (q, k, v, k_tok, v_tok))
+    if Hk != H:  # GQA / MQA: each K/V head serves H // Hk consecutive query heads
+        k, v, k_tok, v_tok = (x.repeat_interleave(H // Hk, dim=1) for x in (k, v, k_tok, v_tok))
+    doc_q, start_q = _doc_positions(cu_seqlens_q, Tq)
+    doc_k, start_k = _doc_positions(cu_seqlens_k, Tk)
+    lens_q, lens_k = cu_seqlens_q.diff().long(), cu_seqlens_k.diff().long()
+    # Position of each query on its document's key axis (bottom-right alignment).
+    pos_q = (torch.arange(Tq, device=q.device) - start_q + (lens_k - lens_q)[doc_q])[:, None]
+    pos_k = (torch.arange(Tk, device=q.device) - start_k)[None, :]
+    visible = doc_q[:, None] == doc_k[None, :]
+    if causal:
+        visible &= pos_k <= pos_q
+    s = torch.einsum("ihd,jhd->hij", q, k) * scale
+    same_block = torch.zeros_like(visible)
+    if recipe == "mxfp8" and safeguard and causal and block_tokens > 1:
+        same_block = visible & (pos_k // block_tokens == pos_q // block_tokens)
+        s = torch.where(same_block, torch.einsum("ihd,jhd->hij", q, k_tok) * scale, s)
+    s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # (H, Tq)
+    p = torch.exp(s - torch.where(lse.isfinite(), lse, 0.0)[..., None])
+    o = torch.einsum("hij,jhd->ihd", p.masked_fill(same_block, 0), v)
+    o = o + torch.einsum("hij,jhd->ihd", p.masked_fill(~same_block, 0), v_tok)
+    return (o, lse) if return_lse else o
+
+
+def attention_fp64(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True, softmax_scale=None):
+    """Exact attention in float64 (for error reports): no quantization anywhere."""
+    return reference_attention(q.double(), k.double(), v.double(), cu_seqlens_q, cu_seqlens_k, causal=causal,
+                               softmax_scale=softmax_scale, recipe="bf16")
+
+
+# ---------------------------------------------------------------------------------------------
+# 5a. Forward kernel
+# ---------------------------------------------------------------------------------------------
+# One program = one query tile (BLOCK_M rows of one document, from the Plan) x one query head.
+# Online softmax over the document's key tiles, in the base-2 domain (s2 = S * log2(e)):
+#
+#   for each key tile j:           (first the tiles every row sees fully, then the masked ones)
+#       s2   = (Qq Kq^T) * sk[j] * (sq[i] * scale * log2 e)   fp8 MMA, rank-1 post-scale
+#       m    = max(m, rowmax(s2));  p = exp2(s2 - m);  l = l * alpha + rowsum(p)
+#       acc += E4M3(p * 2^(ev[j] - ref_i + 8)) @ Vq^T          fp8 MMA, V's scale folded into P
+#
+# V's scale varies along the contraction (keys), so it is folded into P before P is quantized:
+# exact, since scales are powers of two. To keep p * 2^ev inside E4M3's range, each row carries a
+# reference exponent ref_i = max ev over the keys it has seen so far (then p~ <= 2^8 < 448) and the
+# accumulator lives in units of 2^(ref_i - 8), rescaled when ref_i grows, like the softmax max m.
+# ref_i is a per-row statistic over *visible* keys only (a max over the whole tile would leak the
+# future on the diagonal).
+#
+# The causal safeguard, on masked (diagonal) tiles only: for a pair (i, j) whose key block holds
+# the position of i, the block scale of k_j, v_j depends on keys after i, so those pairs use the
+# per-token quantized copies KS, VS (a second small MMA on the diagonal tiles). Blocks of earlier
+# keys end before i's block starts and are safe. Q is scaled per token, so nothing leaks along rows.
+@triton.jit
+def _key_range(q_start, q_end, qd_start, shift, kd_start, kd_end, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+               CAUSAL: tl.constexpr, SAFEGUARD: tl.constexpr):
+    """Key tiles of a query tile: [kd_start, kd_start + n_full) are seen in full by every row and hold no
+    block that straddles a row's position (no mask, no safeguard); [kd_start + n_full, hi) are masked."""
+    kd_len = kd_end - kd_start
+    if CAUSAL:
+        first = q_start - qd_start + shift  # position of the tile's first row on the key axis
+        n_full = tl.maximum(first + 1, 0) // BLOCK_N * BLOCK_N
+        if SAFEGUARD:  # the block holding `first` and every later one go through the masked path
+            n_full = tl.minimum(n_full, tl.maximum(first, 0) // BLOCK_TOKENS * BLOCK_TOKENS // BLOCK_N * BLOCK_N)
+        hi = kd_start + tl.minimum(kd_len, q_end - qd_start + shift)
+    else:
+        n_full = kd_len // BLOCK_N * BLOCK_N
+        hi = kd_end
+    return n_full, hi
+
+
+@triton.jit
+def _attn_fwd_step(acc, l_i, m_i, ref_i, q, qscale, q_e8, sm_scale_log2, start_n, offs_m, hk,
+                   K, EK, V, EV, KS, EKS, VS, EVS,
+                   stride_vh, stride_vd, stride_vt, T_K, HK, kd_start, kd_end, v_base, qd_start, shift,
+                   D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
+                   MASKED: tl.constexpr, QUANT: tl.constexpr, SAFEGUARD: tl.constexpr, DOT_SCALED: tl.constexpr):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    kmask = offs_n < kd_end
+    k_ptrs = (offs_n[:, None] * HK + hk) * D + offs_d[None, :]
+    v_ptrs = hk * stride_vh + offs_d[None, :] * stride_vd + (v_base + offs_n - kd_start)[:, None] * stride_vt
+    if MASKED:
+        k = tl.load(K + k_ptrs, mask=kmask[:, None], other=0.0)
+    else:
+        k = tl.load(K + k_ptrs)
+    if QUANT:
+        ek = tl.load(EK + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32)
+        if DOT_SCALED:  # Blackwell: E8M0 scales applied by the tensor core, 32 head-dim elements each
+            ks8 = tl.broadcast_to(ek[:, None], (BLOCK_N, D // 32)).to(tl.uint8)
+            s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), ks8, "e4m3") * sm_scale_log2
+        else:
+            s = tl.dot(q, tl.trans(k)) * _exp2_int(ek)[None, :] * qscale[:, None]
+    else:
+        s = tl.dot(q, tl.trans(k)) * qscale[:, None]
+    if MASKED:
+        pos_q = offs_m - qd_start + shift  # each row's position on the key axis
+        pos_k = offs_n - kd_start
+        visible = kmask[None, :]
+        if CAUSAL:
+            visible = visible & (pos_k[None, :] <= pos_q[:, None])
+        if SAFEGUARD:  # pairs whose key block straddles the query position use per-token K, V
+            same = visible & ((pos_k // BLOCK_TOKENS)[None, :] == (pos_q // BLOCK_TOKENS)[:, None])
+            ks = tl.load(KS + k_ptrs, mask=kmask[:, None], other=0.0)
+            eks = tl.load(EKS + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32)
+            if DOT_SCALED:
+                s_tok = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(ks), tl.broadcast_to(
+                    eks[:, None], (BLOCK_N, D // 32)).to(tl.uint8), "e4m3") * sm_scale_log2
+            else:
+                s_tok = tl.dot(q, tl.trans(ks)) * _exp2_int(eks)[None, :] * qscale[:, None]
+            s = tl.where(same, s_tok, s)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * tl.exp2(m_i - m_use) + tl.sum(p, 1)
+    if QUANT:
+        ev = tl.load(EV + hk * T_K + offs_n, mask=kmask, other=1).to(tl.int32) - 127
+        if MASKED:
+            ev2 = tl.where(visible, ev[None, :], -1000)
+            if SAFEGUARD:
+                evs = tl.load(EVS + hk * T_K + offs_n, mask=kmask, other=1).to(tl.int32) - 127
+                ev2 = tl.where(same, evs[None, :], ev2)
+            ref_new = tl.maximum(ref_i, tl.max(ev2, 1))
+        else:
+            ref_new = tl.maximum(ref_i, tl.max(ev, 0))
+        # one exp2 per row rescales for both the new softmax max and the new reference exponent
+        acc = acc * tl.exp2((m_i - m_use) + (ref_i - ref_new).to(tl.float32))[:, None]
+        rowfac = _exp2_int(135 - ref_new)  # 2^(8 - ref_i): p~ <= 2^8
+        pr = p * rowfac[:, None]
+        if MASKED:
+            v = tl.load(V + v_ptrs, mask=kmask[:, None], other=0.0)
+        else:
+            v = tl.load(V + v_ptrs)
+        if SAFEGUARD:
+            p8 = tl.where(same, 0.0, pr * _exp2_int(ev + 127)[None, :]).to(tl.float8e4nv)
+            acc = tl.dot(p8, v, acc)
+            vs = tl.load(VS + v_ptrs, mask=kmask[:, None], other=0.0)
+            p8 = tl.where(same, pr * _exp2_int(evs + 127)[None, :], 0.0).to(tl.float8e4nv)
+            acc = tl.dot(p8, vs, acc)
+        else:
+            acc = tl.dot((pr * _exp2_int(ev + 127)[None, :]).to(tl.float8e4nv), v, acc)
+        ref_i = ref_new
+    else:
+        acc = acc * tl.exp2(m_i - m_use)[:, None]
+        if MASKED:
+            v = tl.load(V + v_ptrs, mask=kmask[:, None], other=0.0)
+        else:
+            v = tl.load(V + v_ptrs)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new, ref_i
+
+
+@triton.jit
+def _attn_fwd(
+        Q, EQ, K, EK, V, EV, KS, EKS, VS, EVS,  # operands: data and (H, T) E8M0 exponents; *S = per-token copies
+        O, LSE, TILES,  # outputs (Tq, H, D) and (H, Tq) natural-log LSE; the Plan's query tiles
+        stride_vh, stride_vd, stride_vt,  # V's layout: token-transposed (H, D, T_pad) for fp8, else (T, H, D)
+        sm_scale_log2, T_Q, T_K, H, HK,  # softmax scale * log2(e); token and head counts
+        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+        CAUSAL: tl.constexpr, QUANT: tl.constexpr, SAFEGUARD: tl.constexpr, DOT_SCALED: tl.constexpr):
+    tile, h = tl.program_id(0), tl.program_id(1)
+    hk = h // (H // HK)  # GQA: consecutive query heads share a K/V head
+    row = TILES + tile * 8
+    q_start, q_end = tl.load(row + TILE_START), tl.load(row + TILE_END)
+    qd_start, qd_end = tl.load(row + OWN_START), tl.load(row + OWN_END)
+    kd_start, kd_end = tl.load(row + OTHER_START), tl.load(row + OTHER_END)
+    # fp8: V is read from the token-transposed copy, where the document starts at OTHER_PAD.
+    v_base = tl.multiple_of(tl.load(row + OTHER_PAD), 16) if QUANT else kd_start
+    shift = (kd_end - kd_start) - (qd_end - qd_start)  # bottom-right causal alignment (0 when self-attention)
+    offs_m = q_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    qmask = offs_m < q_end
+    q = tl.load(Q + (offs_m[:, None] * H + h) * D + offs_d[None, :], mask=qmask[:, None], other=0.0)
+    q_e8 = q  # unused unless DOT_SCALED
+    if QUANT:
+        eq = tl.load(EQ + h * T_Q + offs_m, mask=qmask, other=127).to(tl.int32)
+        qscale = _exp2_int(eq) * sm_scale_log2
+        if DOT_SCALED:
+            q_e8 = tl.broadcast_to(eq[:, None], (BLOCK_M, D // 32)).to(tl.uint8)
+    else:
+        qscale = tl.full((BLOCK_M,), sm_scale_log2, tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    ref_i = tl.full((BLOCK_M,), -100, tl.int32)  # V reference exponent; >= -100 keeps 2^(8 - ref) finite
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    n_full, hi = _key_range(q_start, q_end, qd_start, shift, kd_start, kd_end, BLOCK_N, BLOCK_TOKENS, CAUSAL,
+                            SAFEGUARD)
+    for start_n in range(kd_start, kd_start + n_full, BLOCK_N):
+        acc, l_i, m_i, ref_i = _attn_fwd_step(
+            acc, l_i, m_i, ref_i, q, qscale, q_e8, sm_scale_log2, start_n, offs_m, hk,
+            K, EK, V, EV, KS, EKS, VS, EVS, stride_vh, stride_vd, stride_vt, T_K, HK, kd_start, kd_end, v_base,
+            qd_start, shift, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False, QUANT, False, DOT_SCALED)
+    for start_n in range(kd_start + n_full, hi, BLOCK_N):
+        acc, l_i, m_i, ref_i = _attn_fwd_step(
+            acc, l_i, m_i, ref_i, q, qscale, q_e8, sm_scale_log2, start_n, offs_m, hk,
+            K, EK, V, EV, KS, EKS, VS, EVS, stride_vh, stride_vd, stride_vt, T_K, HK, kd_start, kd_end, v_base,
+            qd_start, shift, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, True, QUANT, SAFEGUARD, DOT_SCALED)
+    if QUANT:
+        acc = acc * _exp2_int(ref_i + 119)[:, None]  # back from units of 2^(ref - 8)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+    lse = tl.where(l_i == 0.0, float("-inf"), (m_use + tl.log2(l_safe)) * 0.6931471805599453)  # ln(2)
+    tl.store(O + (offs_m[:, None] * H + h) * D + offs_d[None, :], o.to(O.dtype.element_ty), mask=qmask[:, None])
+    tl.store(LSE + h * T_Q + offs_m, lse, mask=qmask)
+
+
+def _fwd_config(D: int, quant: bool):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward kernel."""
+    return 128, (128 if quant and D <= 64 else 64), 8, 3
+
+
+def _quantize_qkv(q, k, v, plan, block_tokens, safeguard, flag):
+    """Quantize Q per token, K and V per token-block (+ per-token copies for the safeguard).
+    Returns a dict of the operands the kernels read; one quantizer launch per tensor."""
+    ops = {"q": quantize_mxfp8(q, plan, 1, "q", nonfinite_flag=flag)}
+    if safeguard:
+        ops["k"], ops["ks"] = quantize_mxfp8(k, plan, block_tokens, "k", per_token_copy=True, nonfinite_flag=flag)
+        ops["v"], ops["vs"] = quantize_mxfp8(v, plan, block_tokens, "k", transposed=True, per_token_copy=True,
+                                             nonfinite_flag=flag)
+    else:
+        ops["k"] = quantize_mxfp8(k, plan, block_tokens, "k", nonfinite_flag=flag)
+        ops["v"] = quantize_mxfp8(v, plan, block_tokens, "k", transposed=True, nonfinite_flag=flag)
+        ops["ks"], ops["vs"] = ops["k"], ops["v"]
+    return ops
+
+
+def _attn_forward(q, k, v, plan: Plan, *, causal, softmax_scale, recipe, block_tokens, safeguard, backend):
+    """Launch the forward. Returns (o, lse, ops) where ops holds the operands the backward reuses."""
+    Tq, H, D = q.shape
+    Tk, HK = k.shape[:2]
+    quant = recipe == "mxfp8"
+    safeguard = quant and causal and safeguard and block_tokens > 1
+    flag = torch.zeros(1, dtype=torch.int32, device=q.device)
+    if quant:
+        ops = _quantize_qkv(q, k, v, plan, block_tokens, safeguard, flag)
+        Qd, EQ = ops["q"].data, ops["q"].exp
+        Kd, EK, KS, EKS = ops["k"].data, ops["k"].exp, ops["ks"].data, ops["ks"].exp
+        Vd, EV, VS, EVS = ops["v"].data_t, ops["v"].exp, ops["vs"].data_t, ops["vs"].exp
+        strides_v = (D * plan.padded_k, plan.padded_k, 1)  # (H, D, T_pad) token-transposed
+    else:
+        ops = {"flag": flag}
+        Qd, Kd, Vd = (x.contiguous() for x in (q, k, v))
+        EQ = EK = EKS = EV = EVS = flag  # unused
+        KS, VS = Kd, Vd
+        strides_v = (D, 1, HK * D)  # (T, H, D)
+    ops["flag"] = flag
+    empty_rows = plan.rows_without_keys[causal]
+    o = (torch.zeros if empty_rows else torch.empty)(Tq, H, D, dtype=q.dtype, device=q.device)
+    lse = torch.full((H, Tq), float("-inf"), device=q.device) if empty_rows else torch.empty(H, Tq, device=q.device)
+    BLOCK_M, BLOCK_N, warps, stages = _fwd_config(D, quant)
+    tiles = plan.tiles(BLOCK_M, "q", causal)
+    if tiles.shape[0] > 0:
+        _attn_fwd[(tiles.shape[0], H)](
+            Qd, EQ, Kd, EK, Vd, EV, KS, EKS, VS, EVS, o, lse, tiles, *strides_v,
+            softmax_scale * 1.4426950408889634, Tq, Tk, H, HK,  # log2(e)
+            D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_TOKENS=block_tokens, CAUSAL=causal, QUANT=quant,
+            SAFEGUARD=safeguard, DOT_SCALED=backend == "dot_scaled", num_warps=warps, num_stages=stages)
+    return o, lse, ops
+
+
+# ---------------------------------------------------------------------------------------------
+# 5b. Backward kernels
+# ---------------------------------------------------------------------------------------------
+# The backward differentiates the function the forward computed: S is recomputed from exactly the
+# forward's quantized operands (the same safeguard selection on the diagonal) and P from the saved
+# LSE, so the only new rounding is that of dO (quantized once, per token-block) and of the MMA
+# operands P, dS. Per matmul:
+#   S  = Q K^T   fp8 (the forward's operands)       dP = dO V^T  fp8 (head-dim contraction, rank-1 post-scale)
+#   dV = P^T dO  bf16 MMA on exact fp8->bf16 upcasts, dO's per-query scale folded into P^T
+#   dK = dS^T Q  bf16, Q's per-query scale folded into dS^T
+#   dQ = dS K    bf16, K's per-key scale folded into dS (safeguard pairs use the per-token K)
+# The three sequence contractions stay bf16: their scales vary along the contraction and dS has no
+# a-priori range (see README for the measured accuracy / speed trade-off).
+# Two kernels, no atomics (deterministic): dK/dV per key tile iterating over query tiles, and dQ per
+# query tile iterating over key tiles (the forward's schedule).
+@triton.jit
+def _attn_bwd_dkdv_step(dk, dv, k, v, ks, vs, kscale, vscale, kscale_s, vscale_s, start_m, offs_n, hq,
+                        Q, EQ, DO, EDO, LSE, DELTA, sm_scale_log2, T_Q, H, qd_start, kd_start, qd_end, shift,
+                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
+                        MASKED: tl.constexpr, QUANT: tl.constexpr, SAFEGUARD: tl.constexpr):
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    qmask = offs_m < qd_end
+    ptrs = (offs_m[:, None] * H + hq) * D + offs_d[None, :]
+    q = tl.load(Q + ptrs, mask=qmask[:, None], other=0.0)
+    do = tl.load(DO + ptrs, mask=qmask[:, None], other=0.0)
+    lse2 = tl.load(LSE + hq * T_Q + offs_m, mask=qmask, other=0.0) * 1.4426950408889634  # log2(e)
+    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # rows without keys: P = 0
+    delta = tl.load(DELTA + hq * T_Q + offs_m, mask=qmask, other=0.0)
+    if QUANT:
+        qs = _exp2_int(tl.load(EQ + hq * T_Q + offs_m, mask=qmask, other=127).to(tl.int32))
+        dos = _exp2_int(tl.load(EDO + hq * T_Q + offs_m, mask=qmask, other=127).to(tl.int32))
+        st = tl.dot(k, tl.trans(q)) * kscale[:, None] * (qs * sm_scale_log2)[None, :]  # S^T, log2 domain
+        dpt = tl.dot(v, tl.trans(do)) * vscale[:, None] * dos[None, :]
+    else:
+        st = tl.dot(k, tl.trans(q)) * sm_scale_log2
+        dpt = tl.dot(v, tl.trans(do))
+    if MASKED:
+        pos_q = offs_m - qd_start + shift
+        pos_k = offs_n - kd_start
+        visible = qmask[None, :]
+        if CAUSAL:
+            visible = visible & (pos_k[:, None] <= pos_q[None, :])
+        if SAFEGUARD:  # the forward's per-token K, V on pairs whose key block straddles the query
+            same = visible & ((pos_k // BLOCK_TOKENS)[:, None] == (pos_q // BLOCK_TOKENS)[None, :])
+            st = tl.where(same, tl.dot(ks, tl.trans(q)) * kscale_s[:, None] * (qs * sm_scale_log2)[None, :], st)
+            dpt = tl.where(same, tl.dot(vs, tl.trans(do)) * vscale_s[:, None] * dos[None, :], dpt)
+        st = tl.where(visible, st, float("-inf"))
+    pt = tl.exp2(st - lse2[None, :])
+    dst = pt * (dpt - delta[None, :])
+    if QUANT:
+        dv = tl.dot((pt * dos[None, :]).to(tl.bfloat16), do.to(tl.bfloat16), dv)
+        dk = tl.dot((dst * qs[None, :]).to(tl.bfloat16), q.to(tl.bfloat16), dk)
+    else:
+        dv = tl.dot(pt.to(do.dtype), do, dv)
+        dk = tl.dot(dst.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(
+        Q, EQ, K, EK, V, EV, KS, EKS, VS, EVS, DO, EDO,  # forward operands (all (T, H, D)) and quantized dO
+        LSE, DELTA, DK, DV, TILES,  # (H, Tq) LSE and rowsum(dO * O); outputs (Tk, Hk, D); the Plan's key tiles
+        sm_scale, T_Q, T_K, H, HK,
+        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+        CAUSAL: tl.constexpr, QUANT: tl.constexpr, SAFEGUARD: tl.constexpr):
+    tile, hk = tl.program_id(0), tl.program_id(1)
+    row = TILES + tile * 8
+    k_start, k_end = tl.load(row + TILE_START), tl.load(row + TILE_END)
+    kd_start, kd_end = tl.load(row + OWN_START), tl.load(row + OWN_END)
+    qd_start, qd_end = tl.load(row + OTHER_START), tl.load(row + OTHER_END)
+    shift = (kd_end - kd_start) - (qd_end - qd_start)
+    offs_n = k_start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    kmask = offs_n < k_end
+    ptrs = (offs_n[:, None] * HK + hk) * D + offs_d[None, :]
+    k = tl.load(K + ptrs, mask=kmask[:, None], other=0.0)
+    v = tl.load(V + ptrs, mask=kmask[:, None], other=0.0)
+    ks, vs = k, v
+    kscale = tl.full((BLOCK_N,), 1.0, tl.float32)
+    vscale, kscale_s, vscale_s = kscale, kscale, kscale
+    if QUANT:
+        kscale = _exp2_int(tl.load(EK + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32))
+        vscale = _exp2_int(tl.load(EV + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32))
+        if SAFEGUARD:
+            ks = tl.load(KS + ptrs, mask=kmask[:, None], other=0.0)
+            vs = tl.load(VS + ptrs, mask=kmask[:, None], other=0.0)
+            kscale_s = _exp2_int(tl.load(EKS + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32))
+            vscale_s = _exp2_int(tl.load(EVS + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32))
+    sm_scale_log2 = sm_scale * 1.4426950408889634
+    # Query tiles of the document that see this key tile: masked ones first (the diagonal, and the
+    # safeguard's straddling blocks), then those every row of which sees every key, then the
+    # document's partial last tile (bounds mask).
+    qd_len = qd_end - qd_start
+    q_full = qd_start + qd_len // BLOCK_M * BLOCK_M
+    if CAUSAL:
+        first = tl.maximum(k_start - kd_start - shift, 0)  # first query position that sees key k_start
+        q_lo = qd_start + first // BLOCK_M * BLOCK_M
+        thr = k_end - kd_start - 1  # a row at or past this position sees every key of the tile...
+        if SAFEGUARD:  # ...and past the straddling block when the safeguard is on
+            thr = (k_end - kd_start + BLOCK_TOKENS - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+        q_mid = tl.minimum(qd_start + (tl.maximum(thr - shift, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, q_full)
+        q_mid = tl.maximum(q_mid, q_lo)
+    else:
+        q_lo = qd_start
+        q_mid = qd_start
+    q_mid = tl.minimum(q_mid, q_full)
+    dk = tl.zeros((BLOCK_N, D), tl.float32)
+    dv = tl.zeros((BLOCK_N, D), tl.float32)
+    for hq in range(hk * (H // HK), (hk + 1) * (H // HK)):  # GQA: sum over the query heads of this K/V head
+        for start_m in range(q_lo, q_mid, BLOCK_M):
+            dk, dv = _attn_bwd_dkdv_step(
+                dk, dv, k, v, ks, vs, kscale, vscale, kscale_s, vscale_s, start_m, offs_n, hq, Q, EQ, DO, EDO, LSE,
+                DELTA, sm_scale_log2, T_Q, H, qd_start, kd_start, qd_end, shift, D, BLOCK_M, BLOCK_TOKENS, CAUSAL,
+                True, QUANT, SAFEGUARD)
+        for start_m in range(q_mid, q_full, BLOCK_M):
+            dk, dv = _attn_bwd_dkdv_step(
+                dk, dv, k, v, ks, vs, kscale, vscale, kscale_s, vscale_s, start_m, offs_n, hq, Q, EQ, DO, EDO, LSE,
+                DELTA, sm_scale_log2, T_Q, H, qd_start, kd_start, qd_end, shift, D, BLOCK_M, BLOCK_TOKENS, CAUSAL,
+                False, QUANT, False)
+        for start_m in range(tl.maximum(q_full, q_mid), qd_end, BLOCK_M):
+            dk, dv = _attn_bwd_dkdv_step(
+                dk, dv, k, v, ks, vs, kscale, vscale, kscale_s, vscale_s, start_m, offs_n, hq, Q, EQ, DO, EDO, LSE,
+                DELTA, sm_scale_log2, T_Q, H, qd_start, kd_start, qd_end, shift, D, BLOCK_M, BLOCK_TOKENS, CAUSAL,
+                True, QUANT, SAFEGUARD)
+    tl.store(DK + ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=kmask[:, None])
+    tl.store(DV + ptrs, dv.to(DV.dtype.element_ty), mask=kmask[:, None])
+
+
+@triton.jit
+def _attn_bwd_dq_step(dq, q, do, qscale_log2, doscale, lse2, delta, start_n, offs_m, hk,
+                      K, EK, V, EV, KS, EKS, VS, EVS, T_K, HK, kd_start, kd_end, qd_start, shift,
+                      D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
+                      MASKED: tl.constexpr, QUANT: tl.constexpr, SAFEGUARD: tl.constexpr):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    kmask = offs_n < kd_end
+    ptrs = (offs_n[:, None] * HK + hk) * D + offs_d[None, :]
+    k = tl.load(K + ptrs, mask=kmask[:, None], other=0.0)
+    v = tl.load(V + ptrs, mask=kmask[:, None], other=0.0)
+    if QUANT:
+        kscale = _exp2_int(tl.load(EK + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32))
+        vscale = _exp2_int(tl.load(EV + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32))
+        s = tl.dot(q, tl.trans(k)) * kscale[None, :] * qscale_log2[:, None]
+        dp = tl.dot(do, tl.trans(v)) * vscale[None, :] * doscale[:, None]
+    else:
+        s = tl.dot(q, tl.trans(k)) * qscale_log2[:, None]
+        dp = tl.dot(do, tl.trans(v))
+    if MASKED:
+        pos_q = offs_m - qd_start + shift
+        pos_k = offs_n - kd_start
+        visible = kmask[None, :]
+        if CAUSAL:
+            visible = visible & (pos_k[None, :] <= pos_q[:, None])
+        if SAFEGUARD:
+            same = visible & ((pos_k // BLOCK_TOKENS)[None, :] == (pos_q // BLOCK_TOKENS)[:, None])
+            ks = tl.load(KS + ptrs, mask=kmask[:, None], other=0.0)
+            vs = tl.load(VS + ptrs, mask=kmask[:, None], other=0.0)
+            kscale_s = _exp2_int(tl.load(EKS + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32))
+            vscale_s = _exp2_int(tl.load(EVS + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32))
+            s = tl.where(same, tl.dot(q, tl.trans(ks)) * kscale_s[None, :] * qscale_log2[:, None], s)
+            dp = tl.where(same, tl.dot(do, tl.trans(vs)) * vscale_s[None, :] * doscale[:, None], dp)
+        s = tl.where(visible, s, float("-inf"))
+    p = tl.exp2(s - lse2[:, None])
+    ds = p * (dp - delta[:, None])
+    if QUANT:
+        if SAFEGUARD:
+            dq = tl.dot(tl.where(same, 0.0, ds * kscale[None, :]).to(tl.bfloat16), k.to(tl.bfloat16), dq)
+            dq = tl.dot(tl.where(same, ds * kscale_s[None, :], 0.0).to(tl.bfloat16), ks.to(tl.bfloat16), dq)
+        else:
+            dq = tl.dot((ds * kscale[None, :]).to(tl.bfloat16), k.to(tl.bfloat16), dq)
+    else:
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(
+        Q, EQ, K, EK, V, EV, KS, EKS, VS, EVS, DO, EDO,  # as in _attn_bwd_dkdv
+        LSE, DELTA, DQ, TILES,  # output (Tq, H, D); the Plan's query tiles
+        sm_scale, T_Q, T_K, H, HK,
+        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+        CAUSAL: tl.constexpr, QUANT: tl.constexpr, SAFEGUARD: tl.constexpr):
+    tile, h = tl.program_id(0), tl.program_id(1)
+    hk = h // (H // HK)
+    row = TILES + tile * 8
+    q_start, q_end = tl.load(row + TILE_START), tl.load(row + TILE_END)
+    qd_start, qd_end = tl.load(row + OWN_START), tl.load(row + OWN_END)
+    kd_start, kd_end = tl.load(row + OTHER_START), tl.load(row + OTHER_END)
+    shift = (kd_end - kd_start) - (qd_end - qd_start)
+    offs_m = q_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    qmask = offs_m < q_end
+    ptrs = (offs_m[:, None] * H + h) * D + offs_d[None, :]
+    q = tl.load(Q + ptrs, mask=qmask[:, None], other=0.0)
+    do = tl.load(DO + ptrs, mask=qmask[:, None], other=0.0)
+    lse2 = tl.load(LSE + h * T_Q + offs_m, mask=qmask, other=0.0) * 1.4426950408889634
+    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+    delta = tl.load(DELTA + h * T_Q + offs_m, mask=qmask, other=0.0)
+    sm_scale_log2 = sm_scale * 1.4426950408889634
+    if QUANT:
+        qscale_log2 = _exp2_int(tl.load(EQ + h * T_Q + offs_m, mask=qmask, other=127).to(tl.int32)) * sm_scale_log2
+        doscale = _exp2_int(tl.load(EDO + h * T_Q + offs_m, mask=qmask, other=127).to(tl.int32))
+    else:
+        qscale_log2 = tl.full((BLOCK_M,), sm_scale_log2, tl.float32)
+        doscale = qscale_log2
+    n_full, hi = _key_range(q_start, q_end, qd_start, shift, kd_start, kd_end, BLOCK_N, BLOCK_TOKENS, CAUSAL,
+                            SAFEGUARD)
+    dq = tl.zeros((BLOCK_M, D), tl.float32)
+    for start_n in range(kd_start, kd_start + n_full, BLOCK_N):
+        dq = _attn_bwd_dq_step(dq, q, do, qscale_log2, doscale, lse2, delta, start_n, offs_m, hk,
+                               K, EK, V, EV, KS, EKS, VS, EVS, T_K, HK, kd_start, kd_end, qd_start, shift,
+                               D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False, QUANT, False)
+    for start_n in range(kd_start + n_full, hi, BLOCK_N):
+        dq = _attn_bwd_dq_step(dq, q, do, qscale_log2, doscale, lse2, delta, start_n, offs_m, hk,
+                               K, EK, V, EV, KS, EKS, VS, EVS, T_K, HK, kd_start, kd_end, qd_start, shift,
+                               D, BLOCK_N, BLOCK_TOKENS, CAUSAL, True, QUANT, SAFEGUARD)
+    tl.store(DQ + ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=qmask[:, None])
+
+
+def _bwd_config(D: int, quant: bool):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel (query x key tiles) and of the dQ kernel."""
+    return (64, 128, 8, 2), (128, 64, 8, 2)
+
+
+def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, *, causal, softmax_scale, recipe, block_tokens, safeguard):
+    Tq, H, D = q.shape
+    Tk, HK = k.shape[:2]
+    quant = recipe == "mxfp8"
+    safeguard = quant and causal and safeguard and block_tokens > 1
+    do = do.contiguous()
+    delta = (o.float() * do.float()).sum(-1).t().contiguous()  # (H, Tq): rowsum(P * dP) = dO . O
+    if quant:
+        dq8 = quantize_mxfp8(do, plan, block_tokens, "q")
+        operands = (ops["q"].data, ops["q"].exp, ops["k"].data, ops["k"].exp, ops["v"].data, ops["v"].exp,
+                    ops["ks"].data, ops["ks"].exp, ops["vs"].data, ops["vs"].exp, dq8.data, dq8.exp)
+    else:
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        operands = (q, delta, k, delta, v, delta, k, delta, v, delta, do, delta)  # exponents unused
+    init = torch.zeros if plan.keys_without_rows else torch.empty
+    dk, dv = init(Tk, HK, D, dtype=q.dtype, device=q.device), init(Tk, HK, D, dtype=q.dtype, device=q.device)
+    dq = (torch.zeros if plan.rows_without_keys[causal] else torch.empty)(Tq, H, D, dtype=q.dtype, device=q.device)
+    (BM1, BN1, w1, s1), (BM2, BN2, w2, s2) = _bwd_config(D, quant)
+    meta = dict(D=D, BLOCK_TOKENS=block_tokens, CAUSAL=causal, QUANT=quant, SAFEGUARD=safeguard)
+    tiles = plan.tiles(BN1, "k", causal)
+    if tiles.shape[0] > 0:
+        _attn_bwd_dkdv[(tiles.shape[0], HK)](*operands, lse, delta, dk, dv, tiles, softmax_scale, Tq, Tk, H, HK,
+                                             BLOCK_M=BM1, BLOCK_N=BN1, num_warps=w1, num_stages=s1, **meta)
+    tiles = plan.tiles(BM2, "q", causal)
+    if tiles.shape[0] > 0:
+        _attn_bwd_dq[(tiles.shape[0], H)](*operands, lse, delta, dq, tiles, softmax_scale, Tq, Tk, H, HK,
+                                          BLOCK_M=BM2, BLOCK_N=BN2, num_warps=w2, num_stages=s2, **meta)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Autograd, torch custom ops and the public API
+# ---------------------------------------------------------------------------------------------
+# The launches are wrapped in torch.library custom ops (with fake implementations for shapes), so
+# torch.compile treats them as opaque nodes instead of breaking the graph. The Plan is a Python
+# object, so it cannot cross the op boundary: the op receives the cu_seqlens tensors and finds the
+# Plan built for exactly those tensor objects (a weak-keyed cache), or builds it (one host sync).
+DEFAULT_BLOCK_TOKENS = 1  # measured choice, see README ("Choosing block_tokens")
+BACKENDS = ("wgmma", "dot_scaled")
+_PLANS = {}  # ("dense", B, Sq, Sk, device) -> Plan
+_VARLEN_PLANS = {}  # id(cu_seqlens_q) -> Plan, dropped when that tensor dies (ids are reused afterwards)
+
+
+def _register_plan(plan: Plan) -> Plan:
+    key = id(plan.cu_seqlens_q)
+    _VARLEN_PLANS[key] = plan
+    weakref.finalize(plan.cu_seqlens_q, _VARLEN_PLANS.pop, key, None)
+    plan.version = plan.cu_seqlens_q._version  # an in-place change of cu_seqlens invalidates the plan
+    return plan
+
+
+def flamia_plan(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor = None) -> Plan:
+    """Build (once per batch) the Plan for these cu_seqlens; pass it as plan= to every layer."""
+    return _register_plan(Plan(cu_seqlens_q, cu_seqlens_k))
+
+
+def _plan_for(cu_q: torch.Tensor, cu_k: torch.Tensor, dense: list) -> Plan:
+    if dense[0] > 0:  # (B, S, H, D) inputs: B equal documents, cached by shape
+        key = ("dense", *dense, str(cu_q.device))
+        if key not in _PLANS:
+            _PLANS[key] = Plan.dense(dense[0], dense[1], dense[2], cu_q.device)
+        return _PLANS[key]
+    plan = _VARLEN_PLANS.get(id(cu_q))
+    if plan is None or plan.cu_seqlens_k is not cu_k or plan.version != cu_q._version:
+        plan = flamia_plan(cu_q, cu_k)
+    return plan
+
+
+_SAVED = 10  # quantized operands the forward hands to the backward: (data, exp) of q, k, v, k_tok, v_tok
+
+
+@torch.library.custom_op("flamia::fwd", mutates_args=(), device_types=("cuda", "cpu"))
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+            cu_seqlens_k: torch.Tensor, dense: list[int], causal: bool, softmax_scale: float, recipe: str,
+            block_tokens: int, safeguard: bool, backend: str, check_finite: bool) -> list[torch.Tensor]:
+    plan = _plan_for(cu_seqlens_q, cu_seqlens_k, dense)
+    o, lse, ops = _attn_forward(q, k, v, plan, causal=causal, softmax_scale=softmax_scale, recipe=recipe,
+                                block_tokens=block_tokens, safeguard=safeguard, backend=backend)
+    if check_finite and ops["flag"].item():  # one host sync; pass check_finite=False to skip it
+        raise ValueError("q, k or v contains inf or NaN: E8M0 scales of such blocks are NaN "
+                         "(FLAMIA refuses to turn them into finite garbage)")
+    if recipe == "bf16":
+        saved = [q.new_empty(0)] * _SAVED
+    else:
+        saved = [t for n in ("q", "k", "v", "ks", "vs") for t in (ops[n].data, ops[n].exp)]
+        saved = [t.clone() if any(t is u for u in saved[:i]) else t for i, t in enumerate(saved)]  # no aliases
+    return [o, lse] + saved
+
+
+@_fwd_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale, recipe, block_tokens, safeguard, backend,
+      check_finite):
+    Tq, H, D = q.shape
+    Tk, HK = k.shape[:2]
+    if recipe == "bf16":
+        saved = [q.new_empty(0)] * _SAVED
+    else:
+        f8, u8 = torch.float8_e4m3fn, torch.uint8
+        saved = [q.new_empty(Tq, H, D, dtype=f8), q.new_empty(H, Tq, dtype=u8)]
+        saved += [k.new_empty(Tk, HK, D, dtype=f8), k.new_empty(HK, Tk, dtype=u8)] * 4
+    return [torch.empty_like(q), q.new_empty(H, Tq, dtype=torch.float32)] + saved
+
+
+@torch.library.custom_op("flamia::bwd", mutates_args=(), device_types=("cuda", "cpu"))
+def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+            lse: torch.Tensor, saved: list[torch.Tensor], cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+            dense: list[int], causal: bool, softmax_scale: float, recipe: str, block_tokens: int,
+            safeguard: bool) -> list[torch.Tensor]:
+    plan = _plan_for(cu_seqlens_q, cu_seqlens_k, dense)
+    ops = {n: MXFP8(saved[2 * i], saved[2 * i + 1]) for i, n in enumerate(("q", "k", "v", "ks", "vs"))}
+    return list(_attn_backward(do, q, k, v, o, lse, ops, plan, causal=causal, softmax_scale=softmax_scale,
+                               recipe=recipe, block_tokens=block_tokens, safeguard=safeguard))
+
+
+@_bwd_op.register_fake
+def _(do, q, k, v, o, lse, saved, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale, recipe, block_tokens,
+      safeguard):
+    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
+
+
+class _FlamiaAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, dense, causal, scale, recipe, block_tokens, safeguard, backend, check):
+        o, lse, *saved = torch.ops.flamia.fwd(q, k, v, cu_q, cu_k, dense, causal, scale, recipe, block_tokens,
+                                              safeguard, backend, check)
+        # bf16 recipe: the kernels read q, k, v themselves; mxfp8: only their quantized copies (half the bytes)
+        keep = (q, k, v) if recipe == "bf16" else (q.new_empty(0),) * 3
+        ctx.save_for_backward(*keep, o, lse, cu_q, cu_k, *saved)
+        ctx.args = (dense, causal, scale, recipe, block_tokens, safeguard)
+        ctx.shapes = (q.shape, k.shape, v.shape)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse, cu_q, cu_k, *saved = ctx.saved_tensors
+        if q.numel() == 0:  # mxfp8: the kernels only need shapes of the originals
+            q, k, v = (o.new_empty(s) for s in ctx.shapes)
+        dq, dk, dv = torch.ops.flamia.bwd(do, q, k, v, o, lse, saved, cu_q, cu_k, *ctx.args)
+        return dq, dk, dv, *([None] * 10)
+
+
+def _kernels_available(x: torch.Tensor) -> bool:
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_qkv(q, k, v, dims: int):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_thd(x, name, dims)
+        if x.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"{name} must be bfloat16 or float16, got {x.dtype}")
+        if x.dtype != q.dtype or x.device != q.device:
+            raise ValueError(f"q, k, v must share dtype and device; {name} is {x.dtype} on {x.device}, "
+                             f"q is {q.dtype} on {q.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head_dim, got {q.shape[-1]} and {k.shape[-1]}")
+    if q.shape[-2] % k.shape[-2] != 0:
+        raise ValueError(f"the number of q heads ({q.shape[-2]}) must be a multiple of the number of k/v heads "
+                         f"({k.shape[-2]}) (GQA/MQA)")
+
+
+def _check_options(recipe, block_tokens, backend):
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+    _check_block_tokens(block_tokens)
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+
+
+def _default_backend(x: torch.Tensor) -> str:
+    # Blackwell (sm_100+) applies E8M0 scales in its tensor cores; Hopper has plain fp8 wgmma, where
+    # tl.dot_scaled is emulated through bf16 (289 vs 1184 TFLOP/s measured on H200).
+    if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 10:
+        return "dot_scaled"
+    return "wgmma"
+
+
+def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=True,
+                            softmax_scale=None, recipe="mxfp8", block_tokens=DEFAULT_BLOCK_TOKENS, safeguard=True,
+                            backend=None, plan=None, return_lse=False, check_finite=True):
+    """FLAMIA attention on packed documents (flash-attn's varlen signature).
+
+    q: (total_q, H, D); k, v: (total_k, Hk, D) with H % Hk == 0 (GQA/MQA); bf16 or fp16; D in (64, 128).
+    cu_seqlens_q / cu_seqlens_k: int32 (n_docs + 1,) document offsets; max_seqlen_*: upper bounds of the
+    document lengths (as in flash-attn). causal: per-document causal mask, bottom-right aligned.
+    recipe: "mxfp8" (FLAMIA) or "bf16" (the same kernels without quantization).
+    block_tokens: tokens per K/V/dO scale block (1, 32, 64, 128); Q is always scaled per token.
+    safeguard: False disables the causal safeguard (LEAKS the future; for tests and demos only).
+    backend: "wgmma" (fp8 tl.dot, scales outside the MMA) or "dot_scaled" (E8M0 scales in the MMA);
+        default: dot_scaled on Blackwell (sm_100+), wgmma otherwise.
+    plan: flamia_plan(cu_seqlens_q, cu_seqlens_k), built once per batch and shared by all layers.
+    check_finite: raise ValueError on inf/NaN inputs (one host sync per call).
+    Returns out (total_q, H, D) [and lse (H, total_q), natural log, not differentiable].
+    """
+    _check_qkv(q, k, v, 3)
+    _check_options(recipe, block_tokens, backend)
+    if plan is not None:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a flamia.Plan (from flamia_plan), got {type(plan).__name__}")
+        cu_seqlens_q, cu_seqlens_k = plan.cu_seqlens_q, plan.cu_seqlens_k
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+        _check_cu_seqlens(cu, total, name, q.device)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of documents, got "
+                         f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}")
+    softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    if not _kernels_available(q):  # CPU without the interpreter: the oracle computes the same function
+        o, lse = reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, softmax_scale=softmax_scale,
+                                     recipe=recipe, block_tokens=block_tokens, safeguard=safeguard, return_lse=True)
+        o = o.to(q.dtype)
+        return (o, lse) if return_lse else o
+    if plan is None and not torch.compiler.is_compiling():
+        plan = _plan_for(cu_seqlens_q, cu_seqlens_k, [0, 0, 0])
+    if plan is not None and (max_seqlen_q < plan.max_seqlen_q or max_seqlen_k < plan.max_seqlen_k):
+        raise ValueError(f"max_seqlen_q / max_seqlen_k ({max_seqlen_q}, {max_seqlen_k}) are smaller than the longest "
+                         f"documents in cu_seqlens ({plan.max_seqlen_q}, {plan.max_seqlen_k})")
+    o, lse = _FlamiaAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, [0, 0, 0], causal, softmax_scale, recipe,
+                                    block_tokens, safeguard, backend or _default_backend(q), check_finite)
+    return (o, lse) if return_lse else o
+
+
+def flamia_attn_func(q, k, v, *, causal=True, softmax_scale=None, recipe="mxfp8", block_tokens=DEFAULT_BLOCK_TOKENS,
+                     safeguard=True, backend=None, return_lse=False, check_finite=True):
+    """FLAMIA attention on (batch, seqlen, heads, head_dim) tensors; see flamia_attn_varlen_func.
+    Returns out (B, Sq, H, D) [and lse (B, H, Sq)]. Needs no host sync (the Plan comes from shapes)."""
+    _check_qkv(q, k, v, 4)
+    _check_options(recipe, block_tokens, backend)
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+    B, Sq, H, D = q.shape
+    Sk = k.shape[1]
+    softmax_scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    qf, kf, vf = q.reshape(B * Sq, H, D), k.reshape(B * Sk, *k.shape[2:]), v.reshape(B * Sk, *v.shape[2:])
+    cu_q = torch.arange(0, (B + 1) * Sq, Sq, dtype=torch.int32, device=q.device)
+    cu_k = torch.arange(0, (B + 1) * Sk, Sk, dtype=torch.int32, device=q.device)
+    if not _kernels_available(q):
+        o, lse = reference_attention(qf, kf, vf, cu_q, cu_k, causal=causal, softmax_scale=softmax_scale,
+                                     recipe=recipe, block_tokens=block_tokens, safeguard=safeguard, return_lse=True)
+        o = o.to(q.dtype)
+    else:
+        o, lse = _FlamiaAttention.apply(qf, kf, vf, cu_q, cu_k, [B, Sq, Sk], causal, softmax_scale, recipe,
+                                        block_tokens, safeguard, backend or _default_backend(q), check_finite)
+    o, lse = o.view(B, Sq, H, D), lse.view(H, B, Sq).transpose(0, 1)
+    return (o, lse) if return_lse else o
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Causality auditor: does an attention implementation leak the future or across documents?
+# ---------------------------------------------------------------------------------------------
+# Bitwise and black-box: run the implementation on an adversarial packed batch, then again with
+# one token's q, k or v replaced by a large outlier (enough to move any data-dependent scale:
+# per-token, per-block, per-tensor). Every output row that must not depend on that token (earlier
+# rows of its document, every row of other documents) must stay bit-identical, LSE too when the
+# implementation returns it. The layout has documents that start mid-block, lengths 1/31/32/33,
+# an empty document and a long one; positions probe the middle and the end of scale blocks.
+AUDIT_DOC_LENS = (33, 1, 31, 0, 32, 161)
+
+
+def audit_causality(attn_fn, *, heads=2, kv_heads=None, head_dim=64, doc_lens=AUDIT_DOC_LENS, positions=None,
+                    tensors=("q", "k", "v"), outlier=1e3, device=None, dtype=torch.bfloat16, seed=0):
+    """Audit `attn_fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)` (flash-attn varlen
+    signature, causal self-attention; may return out or (out, lse)).
+
+    positions: {doc index: [positions]} to perturb (default: a few per document, see below).
+    Returns a list of findings, one per (doc, position, tensor, kind) that leaked, each a dict with
+    kind "future" (an earlier row of the same document changed) or "document" (a row of another
+    document changed), the number of changed rows and the largest absolute change. [] means safe.
+    """
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    kv_heads = kv_heads or heads
+    gen = torch.Generator().manual_seed(seed)
+    offsets = [0] + torch.cumsum(torch.tensor(doc_lens), 0).tolist()
+    T = offsets[-1]
+    cu = torch.tensor(offsets, dtype=torch.int32, device=device)
+    base = {n: torch.randn(T, h, head_dim, generator=gen).to(dtype).to(device)
+            for n, h in (("q", heads), ("k", kv_heads), ("v", kv_heads))}
+    max_len = max(doc_lens)
+
+    def run(x):
+        out = attn_fn(x["q"], x["k"], x["v"], cu, cu, max_len, max_len)
+        o, lse = out if isinstance(out, tuple) else (out, None)
+        rows = o.reshape(T, -1)  # (T, H*D) per token
+        if lse is not None:  # flash-attn layout (H, T)
+            rows = torch.cat([rows.float(), lse.reshape(-1, T).t().float()], dim=1)
+        return rows.float()
+
+    ref = run(base)
+    doc_of = torch.searchsorted(torch.tensor(offsets), torch.arange(T), right=True) - 1
+    if positions is None:  # the middle and the end of the first block, and a late token, per document
+        positions = {d: sorted({p for p in (L // 2, min(L - 1, 20), L - 1) if 0 < p < L})
+                     for d, L in enumerate(doc_lens) if L > 1}
+    findings = []
+    for d, plist in positions.items():
+        for p in plist:
+            t = offsets[d] + p
+            for name in tensors:
+                x = dict(base)
+                x[name] = base[name].clone()
+                x[name][t] = outlier * torch.sign(torch.randn(x[name][t].shape, generator=gen)).to(dtype).to(device)
+                out = run(x)
+                changed = (out != ref).any(dim=1).cpu()  # bitwise, per token row
+                diff = (out - ref).abs().amax(dim=1).cpu()
+                earlier = (doc_of == d) & (torch.arange(T) < t)
+                for kind, rows in (("future", earlier & changed), ("document", (doc_of != d) & changed)):
+                    if rows.any():
+                        findings.append(dict(doc=d, position=p, tensor=name, kind=kind, rows=int(rows.sum()),
+                                             max_abs_change=float(diff[rows].nan_to_num(float("inf")).max())))
+    return findings
