@@ -162,7 +162,7 @@ PAD_ALIGN = 16  # document starts in token-transposed layouts are padded to 16 t
 HEAD_DIMS = (64, 128)
 # Columns of a tile table (int32, one row per work item). "own" is the document the tile lives in
 # (queries for query tiles, keys for key tiles), "other" the matching document on the other side.
-TILE_START, TILE_END, OWN_START, OWN_END, OTHER_START, OTHER_END, OTHER_PAD, OWN_PAD = range(8)
+TILE_START, TILE_END, OWN_START, OWN_END, OTHER_START, OTHER_END, OTHER_PAD, OWN_PAD = (tl.constexpr(i) for i in range(8))
 
 
 def _check_thd(x, name: str, dims: int = 3) -> None:
@@ -560,11 +560,13 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, q, qscale, q_e8, sm_scale_log2, start_n
                    stride_vh, stride_vd, stride_vt, T_K, HK, kd_start, kd_end, v_base, qd_start, shift,
                    D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
                    MASKED: tl.constexpr, QUANT: tl.constexpr, SAFEGUARD: tl.constexpr, DOT_SCALED: tl.constexpr):
-    offs_n = start_n + tl.arange(0, BLOCK_N)
+    start_n = tl.multiple_of(start_n, BLOCK_N)  # document-local offset of the key tile
+    offs_n = kd_start + start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     kmask = offs_n < kd_end
     k_ptrs = (offs_n[:, None] * HK + hk) * D + offs_d[None, :]
-    v_ptrs = hk * stride_vh + offs_d[None, :] * stride_vd + (v_base + offs_n - kd_start)[:, None] * stride_vt
+    # the aligned local offset keeps V^T loads provably 16-byte aligned (vectorized)
+    v_ptrs = hk * stride_vh + offs_d[None, :] * stride_vd + (v_base + start_n + tl.arange(0, BLOCK_N))[:, None] * stride_vt
     if MASKED:
         k = tl.load(K + k_ptrs, mask=kmask[:, None], other=0.0)
     else:
@@ -671,12 +673,12 @@ def _attn_fwd(
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     n_full, hi = _key_range(q_start, q_end, qd_start, shift, kd_start, kd_end, BLOCK_N, BLOCK_TOKENS, CAUSAL,
                             SAFEGUARD)
-    for start_n in range(kd_start, kd_start + n_full, BLOCK_N):
+    for start_n in range(0, n_full, BLOCK_N):
         acc, l_i, m_i, ref_i = _attn_fwd_step(
             acc, l_i, m_i, ref_i, q, qscale, q_e8, sm_scale_log2, start_n, offs_m, hk,
             K, EK, V, EV, KS, EKS, VS, EVS, stride_vh, stride_vd, stride_vt, T_K, HK, kd_start, kd_end, v_base,
             qd_start, shift, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False, QUANT, False, DOT_SCALED)
-    for start_n in range(kd_start + n_full, hi, BLOCK_N):
+    for start_n in range(n_full, hi - kd_start, BLOCK_N):
         acc, l_i, m_i, ref_i = _attn_fwd_step(
             acc, l_i, m_i, ref_i, q, qscale, q_e8, sm_scale_log2, start_n, offs_m, hk,
             K, EK, V, EV, KS, EKS, VS, EVS, stride_vh, stride_vd, stride_vt, T_K, HK, kd_start, kd_end, v_base,
@@ -879,7 +881,7 @@ def _attn_bwd_dq_step(dq, q, do, qscale_log2, doscale, lse2, delta, start_n, off
                       K, EK, V, EV, KS, EKS, VS, EVS, T_K, HK, kd_start, kd_end, qd_start, shift,
                       D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
                       MASKED: tl.constexpr, QUANT: tl.constexpr, SAFEGUARD: tl.constexpr):
-    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_n = kd_start + start_n + tl.arange(0, BLOCK_N)  # start_n: document-local offset
     offs_d = tl.arange(0, D)
     kmask = offs_n < kd_end
     ptrs = (offs_n[:, None] * HK + hk) * D + offs_d[None, :]
@@ -954,11 +956,11 @@ def _attn_bwd_dq(
     n_full, hi = _key_range(q_start, q_end, qd_start, shift, kd_start, kd_end, BLOCK_N, BLOCK_TOKENS, CAUSAL,
                             SAFEGUARD)
     dq = tl.zeros((BLOCK_M, D), tl.float32)
-    for start_n in range(kd_start, kd_start + n_full, BLOCK_N):
+    for start_n in range(0, n_full, BLOCK_N):
         dq = _attn_bwd_dq_step(dq, q, do, qscale_log2, doscale, lse2, delta, start_n, offs_m, hk,
                                K, EK, V, EV, KS, EKS, VS, EVS, T_K, HK, kd_start, kd_end, qd_start, shift,
                                D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False, QUANT, False)
-    for start_n in range(kd_start + n_full, hi, BLOCK_N):
+    for start_n in range(n_full, hi - kd_start, BLOCK_N):
         dq = _attn_bwd_dq_step(dq, q, do, qscale_log2, doscale, lse2, delta, start_n, offs_m, hk,
                                K, EK, V, EV, KS, EKS, VS, EVS, T_K, HK, kd_start, kd_end, qd_start, shift,
                                D, BLOCK_N, BLOCK_TOKENS, CAUSAL, True, QUANT, SAFEGUARD)

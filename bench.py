@@ -1,0 +1,401 @@
+"""
+bench.py — FLAMIA's benchmark: attention fwd / bwd / fwd+bwd TFLOP/s against every peer that runs
+on this machine, the quantizer's bandwidth, and accuracy per recipe.
+
+    python bench.py              # the attention table (all workloads), JSON + PNG in --out
+    python bench.py --quick      # a one-minute subset
+    python bench.py --quant      # fused quantizer: bit-exactness on a large tensor, GB/s vs the copy ceiling
+    python bench.py --accuracy   # relative L2 error vs exact fp64 per recipe and block_tokens (+ speed)
+
+FLOP convention (Triton tutorial / DESIGN.md): fwd = 4 * H * D * sum_docs L(L+1)/2 for causal
+documents, bwd = 2.5 x fwd, fwd+bwd = 3.5 x fwd. Times are medians of triton.testing.do_bench on
+random (never zero) inputs, after warm-up; FLAMIA's times include quantization; bwd = (fwd+bwd) - fwd.
+Peers, each only if it runs here: cuDNN through nvidia-cudnn-frontend (BF16, ragged/THD for packed
+documents; FP8 per-tensor-scaled for one document: leaky, shown for reference), PyTorch SDPA (cuDNN
+backend; packed equal-length documents as a batch), torch varlen_attn, FlexAttention (document mask).
+"""
+import argparse
+import json
+import math
+import os
+import time
+
+import torch
+import triton
+import triton.testing
+
+import flamia
+
+
+def do_bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def fwd_flops(lens, H, D, causal=True):
+    return sum(4.0 * H * D * (L * (L + 1) / 2 if causal else L * L) for L in lens)
+
+
+def lognormal_docs(total, median=1024, lo=64, hi=16384, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lens = []
+    while sum(lens) < total:
+        L = int(min(hi, max(lo, math.exp(math.log(median) + 1.0 * torch.randn(1, generator=g).item()))))
+        lens.append(min(L, total - sum(lens)))
+    return lens
+
+
+def workloads(quick):
+    w = [("1doc-16k", [16384], 16, 16, 128), ("2kdocs-16k", [2048] * 8, 16, 16, 128),
+         ("lognormal-16k", lognormal_docs(16384), 16, 16, 128)]
+    if not quick:
+        w += [("1doc-64k", [65536], 16, 16, 128), ("2kdocs-64k", [2048] * 32, 16, 16, 128),
+              ("lognormal-64k", lognormal_docs(65536), 16, 16, 128),
+              ("1doc-16k-D64", [16384], 32, 32, 64), ("2kdocs-16k-D64", [2048] * 8, 32, 32, 64),
+              ("lognormal-16k-D64", lognormal_docs(16384), 32, 32, 64),
+              ("gqa32/8-2kdocs-16k", [2048] * 8, 32, 8, 128)]
+    return w
+
+
+# ---- implementations: each returns fn(q, k, v) -> out for packed (T, H, D) inputs, or raises ----
+def flamia_impl(recipe, lens, **kw):
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    plan = flamia.flamia_plan(cu)  # once per batch, as in training
+    m = max(lens)
+    return lambda q, k, v: flamia.flamia_attn_varlen_func(q, k, v, cu, cu, m, m, recipe=recipe, plan=plan,
+                                                          check_finite=False, **kw)
+
+
+def sdpa_impl(lens, **kw):
+    if len(set(lens)) != 1:
+        raise RuntimeError("needs equal-length documents")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    B, S = len(lens), lens[0]
+
+    def fn(q, k, v):
+        qb, kb, vb = (x.view(B, S, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            o = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True,
+                                                                 enable_gqa=kb.shape[1] != qb.shape[1])
+        return o.transpose(1, 2).reshape(q.shape)
+    return fn
+
+
+def varlen_impl(lens, **kw):
+    from torch.nn.attention.varlen import varlen_attn
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    m = max(lens)
+    return lambda q, k, v: varlen_attn(q, k, v, cu, cu, m, m, window_size=(-1, 0))
+
+
+def flex_impl(lens, **kw):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    T = sum(lens)
+    doc = torch.repeat_interleave(torch.arange(len(lens), device="cuda"), torch.tensor(lens, device="cuda"))
+    mask = create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi), None, None, T, T, device="cuda")
+    flex = torch.compile(flex_attention)
+
+    def fn(q, k, v):
+        o = flex(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=mask,
+                 enable_gqa=k.shape[1] != q.shape[1])
+        return o[0].transpose(0, 1)
+    return fn
+
+
+def cudnn_impls(lens, H, HK, D):
+    """cuDNN SDPA graphs through nvidia-cudnn-frontend (as in ../shared/peers/cudnn_sdpa_bench.py).
+    Returns {name: (fwd_fn, fwdbwd_fn)}; times are measured on the graphs' own buffers."""
+    import cudnn
+    if HK != H:
+        raise RuntimeError("GQA graphs not wired")
+    handle = cudnn.create_handle()
+    cudnn.set_stream(handle, torch.cuda.current_stream().cuda_stream)
+    DT = cudnn.data_type
+    B, T, S = len(lens), sum(lens), max(lens)
+    out = {}
+    for name, fp8 in (("cudnn-bf16", False), ("cudnn-fp8-leaky", True)):
+        if fp8 and B > 1:
+            continue  # no THD FP8 backward on Hopper
+        io = DT.FP8_E4M3 if fp8 else DT.BFLOAT16
+        dims, st = (B, H, S, D), (S * H * D, D, H * D, 1)
+        cum = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda", dtype=torch.int64)
+        mk = lambda: torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+        buf = {n: mk() for n in ("q", "k", "v", "dO")}
+        if fp8:
+            buf = {n: x.to(torch.float8_e4m3fn) for n, x in buf.items()}
+        buf.update({n: torch.empty_like(buf["q"]) for n in ("o", "dQ", "dK", "dV")})
+        buf["stats"] = torch.empty(T, H, 1, device="cuda", dtype=torch.float32)
+        buf["seq"] = torch.tensor(lens, dtype=torch.int32, device="cuda").view(-1, 1, 1, 1)
+        for n in ("q", "k", "v", "o", "dO"):
+            buf["off_" + n] = (cum * H * D).view(-1, 1, 1, 1)
+        buf["off_stats"] = (cum * H).view(-1, 1, 1, 1)
+        one = lambda x=1.0: torch.full((1, 1, 1, 1), x, device="cuda", dtype=torch.float32)
+
+        def graph(bwd):
+            g = cudnn.pygraph(io_data_type=io, intermediate_data_type=DT.FLOAT, compute_data_type=DT.FLOAT,
+                              handle=handle)
+            t = {}
+            small = lambda n, dt: t.setdefault(n, g.tensor(dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=dt, name=n))
+            for n in (("q", "k", "v", "o", "dO") if bwd else ("q", "k", "v")):
+                t[n] = g.tensor(dim=dims, stride=st, data_type=io, name=n)
+            t["seq"] = g.tensor(dim=(B, 1, 1, 1), stride=(1, 1, 1, 1), data_type=DT.INT32, name="seq")
+            rag = lambda n: t[n].set_ragged_offset(t.setdefault("off_" + n, g.tensor(
+                dim=(B + 1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=DT.INT64, name="off_" + n)))
+            kw = dict(attn_scale=1 / math.sqrt(D), use_causal_mask=True, use_padding_mask=True, seq_len_q=t["seq"],
+                      seq_len_kv=t["seq"])
+            for n in (("q", "k", "v", "o", "dO") if bwd else ("q", "k", "v")):
+                rag(n)
+            sdims, sst = (B, H, S, 1), (S * H, 1, H, 1)
+            scal = {}
+            if fp8:
+                names = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o") if not bwd else (
+                    "descale_q", "descale_k", "descale_v", "descale_o", "descale_dO", "descale_s", "descale_dP",
+                    "scale_s", "scale_dQ", "scale_dK", "scale_dV", "scale_dP")
+                scal = {n: small(n, DT.FLOAT) for n in names}
+            if not bwd:
+                kw["generate_stats"] = True
+                res = (g.sdpa_fp8 if fp8 else g.sdpa)(q=t["q"], k=t["k"], v=t["v"], name="f", **kw, **scal)
+                t["o"] = res[0].set_output(True).set_dim(dims).set_stride(st).set_data_type(io)
+                t["stats"] = res[1].set_output(True).set_dim(sdims).set_stride(sst).set_data_type(DT.FLOAT)
+                rag("o")
+                rag("stats")
+                for i, n in enumerate(("amax_s", "amax_o")[:len(res) - 2]):
+                    t[n] = res[2 + i].set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(DT.FLOAT)
+            else:
+                t["stats"] = g.tensor(dim=sdims, stride=sst, data_type=DT.FLOAT, name="stats")
+                rag("stats")
+                kw.update(max_total_seq_len_q=T, max_total_seq_len_kv=T)
+                res = (g.sdpa_fp8_backward if fp8 else g.sdpa_backward)(
+                    q=t["q"], k=t["k"], v=t["v"], o=t["o"], dO=t["dO"], stats=t["stats"], name="b", **kw, **scal)
+                for n, x in zip(("dQ", "dK", "dV"), res[:3]):
+                    t[n] = x.set_output(True).set_dim(dims).set_stride(st).set_data_type(io)
+                    x.set_ragged_offset(t["off_" + n[1].lower()])
+                for i, n in enumerate(("amax_dQ", "amax_dK", "amax_dV", "amax_dP")[:len(res) - 3]):
+                    t[n] = res[3 + i].set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(DT.FLOAT)
+            g.validate()
+            g.build_operation_graph()
+            g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+            g.check_support()
+            g.build_plans()
+            ws = torch.empty(max(g.get_workspace_size(), 1), dtype=torch.uint8, device="cuda")
+            for n in t:
+                if n not in buf:
+                    buf[n] = one(448.0 if n == "scale_s" else 1 / 448.0 if n == "descale_s" else 1.0)
+            pack = {x: buf[n] for n, x in t.items()}
+            return lambda: g.execute(pack, ws, handle=handle)
+        f, b = graph(False), graph(True)
+        f()
+        out[name] = (f, lambda f=f, b=b: (f(), b()))
+    return out
+
+
+def bench_attention(args):
+    rows = []
+    for name, lens, H, HK, D in workloads(args.quick):
+        T = sum(lens)
+        flops = fwd_flops(lens, H, D)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (torch.randn(T, HK, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        do = torch.randn_like(q)
+        impls = {"flamia-mxfp8": lambda: flamia_impl("mxfp8", lens), "flamia-bf16": lambda: flamia_impl("bf16", lens),
+                 "sdpa-cudnn": lambda: sdpa_impl(lens), "varlen_attn": lambda: varlen_impl(lens),
+                 "flex": lambda: flex_impl(lens)}
+        if args.naive_plan:
+            impls["flamia-mxfp8-naive-order"] = lambda: naive_order_impl(lens)
+        res = {}
+        for iname, make in impls.items():
+            try:
+                fn = make()
+                qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+                fwd = lambda: fn(q, k, v)
+                fb = lambda: torch.autograd.backward(fn(qq, kk, vv), do)
+                fwd(), fb()
+                torch.cuda.synchronize()
+                tf, tfb = do_bench(fwd), do_bench(fb)
+                res[iname] = (tf, tfb)
+            except Exception as e:
+                print(f"  {name} {iname}: skipped ({type(e).__name__}: {str(e)[:120]})")
+        try:
+            for iname, (f, fb) in cudnn_impls(lens, H, HK, D).items():
+                res[iname] = (do_bench(f), do_bench(fb))
+        except Exception as e:
+            print(f"  {name} cudnn: skipped ({type(e).__name__}: {str(e)[:120]})")
+        for iname, (tf, tfb) in res.items():
+            rows.append(dict(workload=name, impl=iname, T=T, H=H, HK=HK, D=D, n_docs=len(lens), fwd_ms=tf,
+                             bwd_ms=tfb - tf, fwdbwd_ms=tfb, fwd_tflops=flops / tf / 1e9,
+                             bwd_tflops=2.5 * flops / (tfb - tf) / 1e9, fwdbwd_tflops=3.5 * flops / tfb / 1e9))
+        print_rows([r for r in rows if r["workload"] == name])
+        del q, k, v, do
+        torch.cuda.empty_cache()
+    return rows
+
+
+def naive_order_impl(lens):
+    """FLAMIA with the Plan's LPT order undone (tiles in document order) to show the scheduler's effect."""
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    plan = flamia.flamia_plan(cu)
+    tiles = plan.tiles
+    plan.tiles = lambda block, side, causal=True, skip_masked=True: (
+        lambda t: t[torch.argsort(t[:, 0])])(tiles(block, side, causal, skip_masked))
+    m = max(lens)
+    return lambda q, k, v: flamia.flamia_attn_varlen_func(q, k, v, cu, cu, m, m, plan=plan, check_finite=False)
+
+
+def print_rows(rows):
+    peers = [r for r in rows if not r["impl"].startswith("flamia") and "leaky" not in r["impl"]]
+    best = {p: max((r[p + "_tflops"] for r in peers), default=float("nan")) for p in ("fwd", "bwd", "fwdbwd")}
+    for r in rows:
+        sp = r["fwdbwd_tflops"] / best["fwdbwd"]
+        print(f"{r['workload']:20s} {r['impl']:26s} fwd {r['fwd_tflops']:7.1f}  bwd {r['bwd_tflops']:7.1f}  "
+              f"fwd+bwd {r['fwdbwd_tflops']:7.1f} TFLOP/s  ({r['fwdbwd_ms']:.3f} ms)  x{sp:.2f} vs best BF16 peer"
+              f"  [fwd x{r['fwd_tflops'] / best['fwd']:.2f}]")
+
+
+def bench_quant(args):
+    """Quantizer: bitwise vs the PyTorch reference on a large random tensor, then GB/s vs the copy ceiling."""
+    T, H, D = 65536, 16, 128
+    lens = lognormal_docs(T)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    plan = flamia.flamia_plan(cu)
+    x = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+    x = x * torch.exp2(torch.randint(-20, 20, (T, H, 1), device="cuda")).to(x.dtype)  # wide dynamic range
+    rows = []
+    copy_ms = do_bench(lambda: x.clone())
+    copy_bw = 2 * x.numel() * 2 / copy_ms / 1e6
+    print(f"copy ceiling: {copy_bw:.0f} GB/s")
+    for bt in (1, 32):
+        for transposed, tok in ((False, False), (True, False), (True, True)):
+            out = flamia.quantize_mxfp8(x, plan, bt, transposed=transposed, per_token_copy=tok)
+            blk = out[0] if tok else out
+            ref = flamia.quantize_mxfp8_reference(x, cu, bt)
+            exact = bool((blk.data.view(torch.uint8) == ref.data.view(torch.uint8)).all() and (blk.exp == ref.exp).all())
+            ms = do_bench(lambda: flamia.quantize_mxfp8(x, plan, bt, transposed=transposed, per_token_copy=tok))
+            writes = (1 + transposed) * (1 + tok) * (x.numel() + T * H)
+            gbs = (2 * x.numel() + writes) / ms / 1e6
+            rows.append(dict(block_tokens=bt, transposed=transposed, per_token_copy=tok, ms=ms, GBps=gbs,
+                             frac_of_copy=gbs / copy_bw, bit_exact=exact))
+            print(f"quantize B_t={bt:3d} transposed={transposed!s:5} per_token_copy={tok!s:5}: {ms:.3f} ms "
+                  f"{gbs:6.0f} GB/s ({100 * gbs / copy_bw:.0f}% of copy)  bit-exact vs reference: {exact}")
+    return rows
+
+
+def bench_accuracy(args):
+    """Relative L2 error vs exact fp64 of O, dQ, dK, dV per recipe / block_tokens, normal and hard data;
+    plus fwd+bwd speed per block_tokens (the data behind the default block_tokens)."""
+    rows = []
+    lens = lognormal_docs(8192, seed=1)
+    T, H, D = sum(lens), 8, 128
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    plan = flamia.flamia_plan(cu)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for data in ("normal", "hard"):
+        q, k, v, do = (torch.randn(T, H, D, device="cuda", generator=g) for _ in range(4))
+        if data == "hard":  # outlier channels, attention-sink tokens, per-token magnitude spread
+            k[:, :, :4] *= 20
+            q[:, :, :4] *= 4
+            starts = cu[:-1].long()
+            k[starts] *= 8
+            v *= torch.exp2(torch.randint(-6, 6, (T, 1, 1), device="cuda", generator=g).float())
+        q, k, v, do = (x.bfloat16() for x in (q, k, v, do))
+        q6, k6, v6 = (x.double().requires_grad_() for x in (q, k, v))
+        o6 = flamia.attention_fp64(q6, k6, v6, cu)
+        o6.backward(do.double())
+        for recipe, bt in (("bf16", 1), ("mxfp8", 1), ("mxfp8", 32), ("mxfp8", 64), ("mxfp8", 128)):
+            qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+            o = flamia.flamia_attn_varlen_func(qq, kk, vv, cu, cu, max(lens), max(lens), recipe=recipe,
+                                               block_tokens=bt, plan=plan)
+            o.backward(do)
+            rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
+            fb = lambda: torch.autograd.backward(flamia.flamia_attn_varlen_func(
+                qq, kk, vv, cu, cu, max(lens), max(lens), recipe=recipe, block_tokens=bt, plan=plan,
+                check_finite=False), do)
+            ms = do_bench(fb) if data == "normal" else float("nan")
+            r = dict(data=data, recipe=recipe, block_tokens=bt, o=rel(o, o6), dq=rel(qq.grad, q6.grad),
+                     dk=rel(kk.grad, k6.grad), dv=rel(vv.grad, v6.grad), fwdbwd_ms=ms)
+            rows.append(r)
+            print(f"{data:6s} {recipe:5s} B_t={bt:3d}: rel L2 vs fp64  O {r['o']:.4f}  dQ {r['dq']:.4f}  "
+                  f"dK {r['dk']:.4f}  dV {r['dv']:.4f}   fwd+bwd {ms:.3f} ms")
+    return rows
+
+
+def bench_tune(args):
+    """Sweep kernel tile configs (BLOCK_M, BLOCK_N, warps, stages) on one document and on packed documents."""
+    rows = []
+    fwd_cfgs = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 4)]
+    bwd_cfgs = [((64, 128, 8, 2), (128, 64, 8, 2)), ((64, 128, 8, 3), (128, 64, 8, 3)),
+                ((32, 128, 4, 3), (128, 32, 4, 3)), ((64, 64, 4, 3), (64, 64, 4, 3))]
+    fwd0, bwd0 = flamia._fwd_config, flamia._bwd_config
+    for name, lens, H, HK, D in workloads(True)[:2]:
+        T = sum(lens)
+        q, k, v, do = (torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        flops = fwd_flops(lens, H, D)
+        for recipe in ("mxfp8", "bf16"):
+            fn = flamia_impl(recipe, lens)
+            for cfg in fwd_cfgs:
+                flamia._fwd_config = lambda D, quant, cfg=cfg: cfg
+                try:
+                    ms = do_bench(lambda: fn(q, k, v))
+                    rows.append(dict(workload=name, recipe=recipe, kind="fwd", cfg=cfg, ms=ms, tflops=flops / ms / 1e9))
+                    print(f"{name} {recipe} fwd {cfg}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s")
+                except Exception as e:
+                    print(f"{name} {recipe} fwd {cfg}: failed {type(e).__name__}: {str(e)[:100]}")
+            flamia._fwd_config = fwd0
+            qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+            o = fn(qq, kk, vv)
+            for cfg in bwd_cfgs:
+                flamia._bwd_config = lambda D, quant, cfg=cfg: cfg
+                try:
+                    ms = do_bench(lambda: torch.autograd.backward(o, do, retain_graph=True))
+                    rows.append(dict(workload=name, recipe=recipe, kind="bwd", cfg=cfg, ms=ms,
+                                     tflops=2.5 * flops / ms / 1e9))
+                    print(f"{name} {recipe} bwd {cfg}: {ms:.3f} ms {2.5 * flops / ms / 1e9:.0f} TFLOP/s")
+                except Exception as e:
+                    print(f"{name} {recipe} bwd {cfg}: failed {type(e).__name__}: {str(e)[:100]}")
+            flamia._bwd_config = bwd0
+    return rows
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(dict.fromkeys(r["workload"] for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(names)), 4.5))
+    w = 0.8 / len(impls)
+    for i, im in enumerate(impls):
+        ys = [next((r["fwdbwd_tflops"] for r in rows if r["workload"] == n and r["impl"] == im), 0) for n in names]
+        ax.bar([j + i * w for j in range(len(names))], ys, w, label=im)
+    ax.set_xticks([j + 0.4 - w / 2 for j in range(len(names))], names, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("fwd+bwd TFLOP/s")
+    ax.set_title(f"Attention fwd+bwd on {torch.cuda.get_device_name()} (FLAMIA includes quantization)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    ap.add_argument("--quick", action="store_true", help="one-minute subset of the workloads")
+    ap.add_argument("--quant", action="store_true", help="benchmark the fused quantizer")
+    ap.add_argument("--accuracy", action="store_true", help="error vs fp64 per recipe and block_tokens")
+    ap.add_argument("--tune", action="store_true", help="sweep kernel tile configurations")
+    ap.add_argument("--naive-plan", action="store_true", help="also run FLAMIA with tiles in document order")
+    ap.add_argument("--out", default="out", help="directory for JSON and PNG")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.py needs a CUDA GPU")
+    os.makedirs(args.out, exist_ok=True)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=time.strftime("%Y-%m-%d"))
+    print(json.dumps(meta))
+    mode = "quant" if args.quant else "accuracy" if args.accuracy else "tune" if args.tune else "attention"
+    rows = {"quant": bench_quant, "accuracy": bench_accuracy, "tune": bench_tune, "attention": bench_attention}[mode](args)
+    with open(os.path.join(args.out, f"bench_{mode}.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    if mode == "attention":
+        plot(rows, os.path.join(args.out, "bench_attention.png"))
+
+
+if __name__ == "__main__":
+    main()
