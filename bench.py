@@ -6,6 +6,8 @@ on this machine, the quantizer's bandwidth, and accuracy per recipe.
     python bench.py --quick      # a one-minute subset
     python bench.py --quant      # fused quantizer: bit-exactness on a large tensor, GB/s vs the copy ceiling
     python bench.py --accuracy   # relative L2 error vs exact fp64 per recipe and block_tokens (+ speed)
+    python bench.py --audit      # the table of who leaks: flamia.audit_causality on every attention here
+    python bench.py --tune       # kernel tile-configuration sweep
 
 FLOP convention (Triton tutorial / DESIGN.md): fwd = 4 * H * D * sum_docs L(L+1)/2 for causal
 documents, bwd = 2.5 x fwd, fwd+bwd = 3.5 x fwd. Times are medians of triton.testing.do_bench on
@@ -355,6 +357,130 @@ def bench_tune(args):
     return rows
 
 
+def per_tensor_fp8(x):
+    """TransformerEngine-style "current" scaling: ONE scale from the whole tensor's amax (leaky)."""
+    scale = 448.0 / x.float().abs().amax().clamp(min=1e-12)
+    return (x.float() * scale).to(torch.float8_e4m3fn), 1.0 / scale
+
+
+def cudnn_fp8_fwd(q, k, v, cu, *_):
+    """cuDNN FP8 forward (THD) through nvidia-cudnn-frontend, driven as a user would: per-tensor current scaling."""
+    import cudnn
+    DT = cudnn.data_type
+    lens = cu.diff().tolist()
+    B, S, (T, H, D) = len(lens), max(lens), q.shape
+    handle = cudnn.create_handle()
+    cudnn.set_stream(handle, torch.cuda.current_stream().cuda_stream)
+    g = cudnn.pygraph(io_data_type=DT.FP8_E4M3, intermediate_data_type=DT.FLOAT, compute_data_type=DT.FLOAT,
+                      handle=handle)
+    dims, st = (B, H, S, D), (S * H * D, D, H * D, 1)
+    t, buf = {}, {}
+    cum = torch.cat([cu.new_zeros(1), cu[1:]]).long()
+    for n, x in (("q", q), ("k", k), ("v", v)):
+        buf[n], desc = per_tensor_fp8(x)
+        buf["descale_" + n] = desc.view(1, 1, 1, 1).float()
+        t[n] = g.tensor(dim=dims, stride=st, data_type=DT.FP8_E4M3, name=n)
+        buf["off_" + n] = (cum * H * D).view(-1, 1, 1, 1)
+        t["off_" + n] = g.tensor(dim=(B + 1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=DT.INT64, name="off_" + n)
+        t[n].set_ragged_offset(t["off_" + n])
+    sc = {n: g.tensor(dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=DT.FLOAT, name=n)
+          for n in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")}
+    t.update(sc)
+    buf.update(descale_s=torch.full((1, 1, 1, 1), 1 / 448.0, device="cuda"), scale_s=torch.full((1, 1, 1, 1), 448.0, device="cuda"),
+               scale_o=torch.ones(1, 1, 1, 1, device="cuda"))
+    t["seq"] = g.tensor(dim=(B, 1, 1, 1), stride=(1, 1, 1, 1), data_type=DT.INT32, name="seq")
+    buf["seq"] = cu.diff().int().view(-1, 1, 1, 1)
+    o, stats, amax_s, amax_o = g.sdpa_fp8(q=t["q"], k=t["k"], v=t["v"], name="f", generate_stats=True,
+                                          attn_scale=1 / math.sqrt(D), use_causal_mask=True, use_padding_mask=True,
+                                          seq_len_q=t["seq"], seq_len_kv=t["seq"], **sc)
+    t["o"] = o.set_output(True).set_dim(dims).set_stride(st).set_data_type(DT.FP8_E4M3)
+    t["o"].set_ragged_offset(t["off_q"])
+    t["stats"] = stats.set_output(True).set_dim((B, H, S, 1)).set_stride((S * H, 1, H, 1)).set_data_type(DT.FLOAT)
+    t["off_s"] = g.tensor(dim=(B + 1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=DT.INT64, name="off_s")
+    t["stats"].set_ragged_offset(t["off_s"])
+    buf["off_s"] = (cum * H).view(-1, 1, 1, 1)
+    for n, a in (("amax_s", amax_s), ("amax_o", amax_o)):
+        t[n] = a.set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(DT.FLOAT)
+        buf[n] = torch.zeros(1, 1, 1, 1, device="cuda")
+    buf["o"] = torch.zeros(T, H, D, device="cuda", dtype=torch.float8_e4m3fn)
+    buf["stats"] = torch.zeros(T, H, 1, device="cuda")
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.check_support()
+    g.build_plans()
+    ws = torch.empty(max(g.get_workspace_size(), 1), dtype=torch.uint8, device="cuda")
+    g.execute({x: buf[n] for n, x in t.items()}, ws, handle=handle)
+    torch.cuda.synchronize()
+    return buf["o"].float(), buf["stats"][..., 0].t()
+
+
+def audit_impls():
+    """Every attention this machine runs, as flash-attn varlen callables (causal, packed documents)."""
+    from functools import partial
+    F = flamia.flamia_attn_varlen_func
+    impls = {f"flamia {r} B_t={bt}": partial(F, recipe=r, block_tokens=bt, return_lse=True)
+             for r, bt in (("bf16", 1), ("mxfp8", 1), ("mxfp8", 32), ("mxfp8", 128))}
+    impls["flamia mxfp8 B_t=32 safeguard=False (unsafe)"] = partial(F, recipe="mxfp8", block_tokens=32, safeguard=False,
+                                                                    return_lse=True)
+
+    def fp8_per_tensor(q, k, v, cu, *_):  # the per-tensor-scaled recipe of TE's issue #3248, emulated exactly
+        deq = lambda x: (lambda d, s: d.float() * s)(*per_tensor_fp8(x)).to(x.dtype)
+        return flamia.reference_attention(deq(q), deq(k), deq(v), cu, recipe="bf16", return_lse=True)
+    impls["per-tensor FP8 (TE current scaling, emulated)"] = fp8_per_tensor
+
+    def sdpa(q, k, v, cu, *_):  # one call per document, as users do without a varlen kernel
+        outs = [torch.nn.functional.scaled_dot_product_attention(
+            *(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True).transpose(0, 1)
+            for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()) if b > a]
+        return torch.cat(outs)
+    impls["SDPA per document"] = sdpa
+
+    def varlen(q, k, v, cu, cu_k, mq, mk):
+        from torch.nn.attention.varlen import varlen_attn
+        return varlen_attn(q, k, v, cu, cu_k, mq, mk, window_size=(-1, 0))
+    impls["torch varlen_attn"] = varlen
+
+    def flex(q, k, v, cu, *_):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        T = q.shape[0]
+        doc = torch.searchsorted(cu.long(), torch.arange(T, device=q.device), right=True) - 1
+        mask = create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi), None, None, T, T,
+                                 device=q.device)
+        return flex_attention(*(x.transpose(0, 1)[None] for x in (q, k, v)), block_mask=mask)[0].transpose(0, 1)
+    impls["FlexAttention document mask"] = flex
+    impls["cuDNN FP8 per-tensor scaling (frontend)"] = cudnn_fp8_fwd
+    return impls
+
+
+def bench_audit(args):
+    """The table of who leaks: flamia.audit_causality on every attention available here."""
+    rows = []
+    for name, fn in audit_impls().items():
+        t0 = time.time()
+        try:
+            try:
+                found = flamia.audit_causality(fn, heads=2, head_dim=128, device="cuda")
+            except Exception:  # some peers reject empty documents: audit them without it
+                lens = tuple(L for L in flamia.AUDIT_DOC_LENS if L > 0)
+                found = flamia.audit_causality(fn, heads=2, head_dim=128, device="cuda", doc_lens=lens)
+                name += " (no empty doc)"
+        except Exception as e:
+            print(f"{name:48s} could not run: {type(e).__name__}: {str(e)[:100]}")
+            rows.append(dict(impl=name, error=f"{type(e).__name__}: {e}"[:300]))
+            continue
+        fut = [f for f in found if f["kind"] == "future"]
+        doc = [f for f in found if f["kind"] == "document"]
+        rows.append(dict(impl=name, future_leaks=len(fut), document_leaks=len(doc), findings=found,
+                         max_future_change=max((f["max_abs_change"] for f in fut), default=0.0),
+                         max_document_change=max((f["max_abs_change"] for f in doc), default=0.0)))
+        r = rows[-1]
+        print(f"{name:48s} future leaks {r['future_leaks']:3d} (max change {r['max_future_change']:.2e})  "
+              f"document leaks {r['document_leaks']:3d} (max change {r['max_document_change']:.2e})  "
+              f"[{time.time() - t0:.1f} s]")
+    return rows
+
+
 def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -379,6 +505,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="one-minute subset of the workloads")
     ap.add_argument("--quant", action="store_true", help="benchmark the fused quantizer")
     ap.add_argument("--accuracy", action="store_true", help="error vs fp64 per recipe and block_tokens")
+    ap.add_argument("--audit", action="store_true", help="causality audit of every attention on this machine")
     ap.add_argument("--tune", action="store_true", help="sweep kernel tile configurations")
     ap.add_argument("--naive-plan", action="store_true", help="also run FLAMIA with tiles in document order")
     ap.add_argument("--out", default="out", help="directory for JSON and PNG")
@@ -389,8 +516,9 @@ def main():
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=time.strftime("%Y-%m-%d"))
     print(json.dumps(meta))
-    mode = "quant" if args.quant else "accuracy" if args.accuracy else "tune" if args.tune else "attention"
-    rows = {"quant": bench_quant, "accuracy": bench_accuracy, "tune": bench_tune, "attention": bench_attention}[mode](args)
+    mode = next((m for m in ("quant", "accuracy", "tune", "audit") if getattr(args, m)), "attention")
+    rows = {"quant": bench_quant, "accuracy": bench_accuracy, "tune": bench_tune, "audit": bench_audit,
+            "attention": bench_attention}[mode](args)
     with open(os.path.join(args.out, f"bench_{mode}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     if mode == "attention":

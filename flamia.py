@@ -436,6 +436,76 @@ def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str
     return (out, tok) if per_token_copy else out
 
 
+@triton.jit
+def _quantize_nvfp4_kernel(
+        X, TILES, FLAG,  # input (T, H, D), the Plan's 128-token tiles, int32 non-finite flag
+        P, SB, S2,  # outputs: packed E2M1 (T, H, D/2) uint8, E4M3 block scales (T, H, D/16), FP32 (H, T)
+        stride_xt, stride_xh, T,
+        H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """NVFP4 in one pass, bit-identical to quantize_nvfp4_reference (IEEE-rounded divisions, like torch)."""
+    tile, h = tl.program_id(0), tl.program_id(1)
+    start, end = tl.load(TILES + tile * 8 + TILE_START), tl.load(TILES + tile * 8 + TILE_END)
+    offs_t = start + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, D)
+    in_doc = offs_t < end
+    x = tl.load(X + offs_t[:, None] * stride_xt + h * stride_xh + offs_d[None, :], mask=in_doc[:, None],
+                other=0.0).to(tl.float32)
+    bad = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1)
+    s2 = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 2688.0)  # 448 * 6: the block scale then fits E4M3
+    s2 = tl.where(bad != 0, float("nan"), tl.where(s2 > 0, s2, 1.0))
+    xb = tl.reshape(x, (BLOCK_T, D // 16, 16))
+    sb = tl.math.div_rn(tl.math.div_rn(tl.max(tl.abs(xb), axis=2), 6.0), s2[:, None])
+    sb = tl.minimum(sb, 448.0).to(tl.float8e4nv)
+    denom = sb.to(tl.float32) * s2[:, None]
+    denom = tl.where(denom > 0, denom, 1.0)
+    a = tl.math.div_rn(xb, denom[:, :, None])
+    m = tl.abs(a)
+    # Round to nearest even on the E2M1 grid, as e2m1_encode: the code is the number of boundaries passed.
+    k = ((m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32) + (m >= 1.75).to(tl.int32)
+         + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32) + (m > 5.0).to(tl.int32))
+    code = k + 8 * (a < 0).to(tl.int32)
+    lo, hi = tl.split(tl.reshape(code, (BLOCK_T, D // 2, 2)))  # first element of each pair in the low nibble
+    offs_p = tl.arange(0, D // 2)
+    tl.store(P + (offs_t[:, None] * H + h) * (D // 2) + offs_p[None, :], (lo | (hi << 4)).to(tl.uint8),
+             mask=in_doc[:, None])
+    offs_b = tl.arange(0, D // 16)
+    tl.store(SB + (offs_t[:, None] * H + h) * (D // 16) + offs_b[None, :], sb, mask=in_doc[:, None])
+    tl.store(S2 + h * T + offs_t, s2, mask=in_doc)
+    tl.store(FLAG, 1, mask=tl.max(bad) != 0)
+
+
+class NVFP4(tuple):
+    """A quantized (T, H, D) tensor: packed E2M1 (T, H, D/2) uint8, block scales (T, H, D/16)
+    float8_e4m3fn, per-token second-level scales (H, T) fp32."""
+    __slots__ = ()
+
+    def __new__(cls, packed, sb, s2):
+        return super().__new__(cls, (packed, sb, s2))
+
+    packed, sb, s2 = property(lambda s: s[0]), property(lambda s: s[1]), property(lambda s: s[2])
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_nvfp4(self.packed, self.sb, self.s2.t())
+
+
+def quantize_nvfp4(x: torch.Tensor, plan: Plan, side: str = "q", nonfinite_flag: torch.Tensor = None) -> NVFP4:
+    """Fused Triton NVFP4 quantizer: one launch, x (T, H, D) read once. See quantize_nvfp4_reference."""
+    _check_thd(x, "x")
+    T, H, D = x.shape
+    if T != (plan.total_q if side == "q" else plan.total_k):
+        raise ValueError(f"x has {T} tokens but the plan's cu_seqlens_{side} does not end there")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = NVFP4(torch.empty(T, H, D // 2, dtype=torch.uint8, device=x.device),
+                torch.empty(T, H, D // NVFP4_BLOCK, dtype=torch.float8_e4m3fn, device=x.device),
+                torch.empty(H, T, dtype=torch.float32, device=x.device))
+    flag = nonfinite_flag if nonfinite_flag is not None else torch.zeros(1, dtype=torch.int32, device=x.device)
+    tiles = plan.tiles(QUANT_TILE, side, causal=False, skip_masked=False)
+    if tiles.shape[0] > 0:
+        _quantize_nvfp4_kernel[(tiles.shape[0], H)](x, tiles, flag, *out, x.stride(0), x.stride(1), T, H=H, D=D,
+                                                     BLOCK_T=QUANT_TILE, num_warps=4)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. The reference oracle
 # ---------------------------------------------------------------------------------------------
