@@ -513,12 +513,17 @@ def quantize_nvfp4(x: torch.Tensor, plan: Plan, side: str = "q", nonfinite_flag:
 # scaling, dequantize, then exact attention with per-document (causal) masking. The kernels are
 # tested against it; train_llama.py uses it as the CPU path. Quantizers are straight-through
 # (identity gradient), so autograd through it gives the gradients the kernels must reproduce.
-RECIPES = ("bf16", "mxfp8")
+RECIPES = ("bf16", "mxfp8", "nvfp4")
 
 
 def _fake_quant(x: torch.Tensor, cu_seqlens: torch.Tensor, block_tokens: int) -> torch.Tensor:
-    deq = quantize_mxfp8_reference(x.detach(), cu_seqlens, block_tokens).dequantize().to(x.dtype)
-    return x + (deq - x).detach()  # straight-through estimator
+    deq = quantize_mxfp8_reference(x.detach(), cu_seqlens, block_tokens).dequantize()  # fp32, exact
+    return x.float() + (deq - x.float()).detach()  # straight-through estimator
+
+
+def _fake_quant_nvfp4(x: torch.Tensor) -> torch.Tensor:
+    deq = dequantize_nvfp4(*quantize_nvfp4_reference(x.detach()))  # fp32: the FP32 second level is not bf16
+    return x.float() + (deq - x.float()).detach()
 
 
 def _doc_positions(cu_seqlens: torch.Tensor, total: int):
@@ -534,6 +539,7 @@ def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True
 
     Computes in fp32 (fp64 if q is fp64) on the recipe's dequantized operands:
       recipe="bf16":  the inputs as they are.
+      recipe="nvfp4": Q and K in NVFP4 (per token and head; never straddle), V as in mxfp8.
       recipe="mxfp8": Q per token, K and V per `block_tokens` block of one document (E4M3 + E8M0);
                       with the safeguard, a (query i, key j) pair whose key block also holds the
                       position of i uses per-token quantized k_j, v_j instead (no future token can
@@ -551,8 +557,12 @@ def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True
     k_tok, v_tok = k, v
     if recipe == "mxfp8":
         q = _fake_quant(q, cu_seqlens_q, 1)  # Q is never block-scaled: its scale would leak along rows
-        k_tok, v_tok = _fake_quant(k, cu_seqlens_k, 1), _fake_quant(v, cu_seqlens_k, 1)
-        k, v = _fake_quant(k, cu_seqlens_k, block_tokens), _fake_quant(v, cu_seqlens_k, block_tokens)
+        k_tok, k = _fake_quant(k, cu_seqlens_k, 1), _fake_quant(k, cu_seqlens_k, block_tokens)
+    elif recipe == "nvfp4":
+        q, k = _fake_quant_nvfp4(q), _fake_quant_nvfp4(k)
+        k_tok = k
+    if recipe != "bf16":
+        v_tok, v = _fake_quant(v, cu_seqlens_k, 1), _fake_quant(v, cu_seqlens_k, block_tokens)
     q, k, v, k_tok, v_tok = (x.to(cdt) for x in (q, k, v, k_tok, v_tok))
     if Hk != H:  # GQA / MQA: each K/V head serves H // Hk consecutive query heads
         k, v, k_tok, v_tok = (x.repeat_interleave(H // Hk, dim=1) for x in (k, v, k_tok, v_tok))
@@ -567,7 +577,7 @@ def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True
         visible &= pos_k <= pos_q
     s = torch.einsum("ihd,jhd->hij", q, k) * scale
     same_block = torch.zeros_like(visible)
-    if recipe == "mxfp8" and safeguard and causal and block_tokens > 1:
+    if recipe != "bf16" and safeguard and causal and block_tokens > 1:
         same_block = visible & (pos_k // block_tokens == pos_q // block_tokens)
         s = torch.where(same_block, torch.einsum("ihd,jhd->hij", q, k_tok) * scale, s)
     s = s.masked_fill(~visible, float("-inf"))
@@ -607,6 +617,37 @@ def attention_fp64(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True, sof
 # per-token quantized copies KS, VS (a second small MMA on the diagonal tiles). Blocks of earlier
 # keys end before i's block starts and are safe. Q is scaled per token, so nothing leaks along rows.
 @triton.jit
+def _load_qk(PTR, SB, SCALE, offs_t, h, HEADS, T, mask, ROWS: tl.constexpr, D: tl.constexpr, QUANT: tl.constexpr,
+             QK_FP4: tl.constexpr):
+    """A Q or K tile for the QK^T MMA and its per-token scale (H, T layout): bf16 recipe: (data, 1);
+    mxfp8: (E4M3 data, 2^(e - 127)); nvfp4: (E2M1 x E4M3 block scale, as bf16; FP32 second level).
+    The NVFP4 product has at most 2 + 4 significant bits, so bf16 holds it exactly and a bf16 MMA is an
+    exact emulation of FP4 (Hopper has no FP4 tensor cores)."""
+    if QK_FP4:
+        offs_p = tl.arange(0, D // 2)
+        packed = tl.load(PTR + (offs_t[:, None] * HEADS + h) * (D // 2) + offs_p[None, :], mask=mask[:, None],
+                         other=0).to(tl.int32)
+        code = tl.reshape(tl.join(packed & 15, packed >> 4), (ROWS, D))  # low nibble first
+        e = (code >> 1) & 3
+        mag = tl.where(e == 0, (code & 1).to(tl.float32) * 0.5,  # subnormal 0 / 0.5; else (2 + m) * 2^(e - 2)
+                       (2 + (code & 1)).to(tl.float32) * _exp2_int(e + 125))
+        val = tl.where((code & 8) != 0, -mag, mag)
+        offs_b = tl.arange(0, D // 16)
+        sb = tl.load(SB + (offs_t[:, None] * HEADS + h) * (D // 16) + offs_b[None, :], mask=mask[:, None],
+                     other=0.0).to(tl.float32)
+        tile = tl.reshape(tl.reshape(val, (ROWS, D // 16, 16)) * sb[:, :, None], (ROWS, D)).to(tl.bfloat16)
+        scale = tl.load(SCALE + h * T + offs_t, mask=mask, other=1.0)
+    else:
+        offs_d = tl.arange(0, D)
+        tile = tl.load(PTR + (offs_t[:, None] * HEADS + h) * D + offs_d[None, :], mask=mask[:, None], other=0.0)
+        if QUANT:
+            scale = _exp2_int(tl.load(SCALE + h * T + offs_t, mask=mask, other=127).to(tl.int32))
+        else:
+            scale = tl.full((ROWS,), 1.0, tl.float32)
+    return tile, scale
+
+
+@triton.jit
 def _key_range(q_start, q_end, qd_start, shift, kd_start, kd_end, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
                CAUSAL: tl.constexpr, SAFEGUARD: tl.constexpr):
     """Key tiles of a query tile: [kd_start, kd_start + n_full) are seen in full by every row and hold no
@@ -626,28 +667,24 @@ def _key_range(q_start, q_end, qd_start, shift, kd_start, kd_end, BLOCK_N: tl.co
 
 @triton.jit
 def _attn_fwd_step(acc, l_i, m_i, ref_i, q, qscale, q_e8, sm_scale_log2, start_n, offs_m, hk,
-                   K, EK, V, EV, KS, EKS, VS, EVS,
+                   K, KSB, EK, V, EV, KS, EKS, VS, EVS,
                    stride_vh, stride_vd, stride_vt, T_K, HK, kd_start, kd_end, v_base, qd_start, shift,
                    D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
-                   MASKED: tl.constexpr, QUANT: tl.constexpr, SAFEGUARD: tl.constexpr, DOT_SCALED: tl.constexpr):
+                   MASKED: tl.constexpr, QUANT: tl.constexpr, QK_FP4: tl.constexpr, SAFEGUARD: tl.constexpr,
+                   DOT_SCALED: tl.constexpr):
     start_n = tl.multiple_of(start_n, BLOCK_N)  # document-local offset of the key tile
     offs_n = kd_start + start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     kmask = offs_n < kd_end
-    k_ptrs = (offs_n[:, None] * HK + hk) * D + offs_d[None, :]
     # the aligned local offset keeps V^T loads provably 16-byte aligned (vectorized)
     v_ptrs = hk * stride_vh + offs_d[None, :] * stride_vd + (v_base + start_n + tl.arange(0, BLOCK_N))[:, None] * stride_vt
-    if MASKED:
-        k = tl.load(K + k_ptrs, mask=kmask[:, None], other=0.0)
-    else:
-        k = tl.load(K + k_ptrs)
-    if QUANT:
-        ek = tl.load(EK + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32)
-        if DOT_SCALED:  # Blackwell: E8M0 scales applied by the tensor core, 32 head-dim elements each
-            ks8 = tl.broadcast_to(ek[:, None], (BLOCK_N, D // 32)).to(tl.uint8)
-            s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), ks8, "e4m3") * sm_scale_log2
-        else:
-            s = tl.dot(q, tl.trans(k)) * _exp2_int(ek)[None, :] * qscale[:, None]
+    k, kscale = _load_qk(K, KSB, EK, offs_n, hk, HK, T_K, kmask, BLOCK_N, D, QUANT, QK_FP4)
+    if DOT_SCALED:  # Blackwell: E8M0 scales applied by the tensor core, 32 head-dim elements each
+        ek8 = tl.load(EK + hk * T_K + offs_n, mask=kmask, other=127)
+        s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), tl.broadcast_to(ek8[:, None], (BLOCK_N, D // 32)), "e4m3")
+        s = s * sm_scale_log2
+    elif QUANT:
+        s = tl.dot(q, tl.trans(k)) * kscale[None, :] * qscale[:, None]
     else:
         s = tl.dot(q, tl.trans(k)) * qscale[:, None]
     if MASKED:
@@ -658,14 +695,15 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, q, qscale, q_e8, sm_scale_log2, start_n
             visible = visible & (pos_k[None, :] <= pos_q[:, None])
         if SAFEGUARD:  # pairs whose key block straddles the query position use per-token K, V
             same = visible & ((pos_k // BLOCK_TOKENS)[None, :] == (pos_q // BLOCK_TOKENS)[:, None])
-            ks = tl.load(KS + k_ptrs, mask=kmask[:, None], other=0.0)
-            eks = tl.load(EKS + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32)
-            if DOT_SCALED:
-                s_tok = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(ks), tl.broadcast_to(
-                    eks[:, None], (BLOCK_N, D // 32)).to(tl.uint8), "e4m3") * sm_scale_log2
-            else:
-                s_tok = tl.dot(q, tl.trans(ks)) * _exp2_int(eks)[None, :] * qscale[:, None]
-            s = tl.where(same, s_tok, s)
+            if not QK_FP4:  # NVFP4 K is per token already: only V needs the per-token copy
+                ks, kscale_s = _load_qk(KS, KSB, EKS, offs_n, hk, HK, T_K, kmask, BLOCK_N, D, QUANT, QK_FP4)
+                if DOT_SCALED:
+                    eks8 = tl.load(EKS + hk * T_K + offs_n, mask=kmask, other=127)
+                    s_tok = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(ks), tl.broadcast_to(
+                        eks8[:, None], (BLOCK_N, D // 32)), "e4m3") * sm_scale_log2
+                else:
+                    s_tok = tl.dot(q, tl.trans(ks)) * kscale_s[None, :] * qscale[:, None]
+                s = tl.where(same, s_tok, s)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
@@ -711,11 +749,13 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, q, qscale, q_e8, sm_scale_log2, start_n
 @triton.jit
 def _attn_fwd(
         Q, EQ, K, EK, V, EV, KS, EKS, VS, EVS,  # operands: data and (H, T) E8M0 exponents; *S = per-token copies
+        QSB, KSB,  # nvfp4: E4M3 block scales of Q and K (then EQ, EK hold the FP32 second-level scales)
         O, LSE, TILES,  # outputs (Tq, H, D) and (H, Tq) natural-log LSE; the Plan's query tiles
         stride_vh, stride_vd, stride_vt,  # V's layout: token-transposed (H, D, T_pad) for fp8, else (T, H, D)
         sm_scale_log2, T_Q, T_K, H, HK,  # softmax scale * log2(e); token and head counts
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-        CAUSAL: tl.constexpr, QUANT: tl.constexpr, SAFEGUARD: tl.constexpr, DOT_SCALED: tl.constexpr):
+        CAUSAL: tl.constexpr, QUANT: tl.constexpr, QK_FP4: tl.constexpr, SAFEGUARD: tl.constexpr,
+        DOT_SCALED: tl.constexpr):
     tile, h = tl.program_id(0), tl.program_id(1)
     hk = h // (H // HK)  # GQA: consecutive query heads share a K/V head
     row = TILES + tile * 8
@@ -728,15 +768,11 @@ def _attn_fwd(
     offs_m = q_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     qmask = offs_m < q_end
-    q = tl.load(Q + (offs_m[:, None] * H + h) * D + offs_d[None, :], mask=qmask[:, None], other=0.0)
+    q, qscale = _load_qk(Q, QSB, EQ, offs_m, h, H, T_Q, qmask, BLOCK_M, D, QUANT, QK_FP4)
+    qscale = qscale * sm_scale_log2
     q_e8 = q  # unused unless DOT_SCALED
-    if QUANT:
-        eq = tl.load(EQ + h * T_Q + offs_m, mask=qmask, other=127).to(tl.int32)
-        qscale = _exp2_int(eq) * sm_scale_log2
-        if DOT_SCALED:
-            q_e8 = tl.broadcast_to(eq[:, None], (BLOCK_M, D // 32)).to(tl.uint8)
-    else:
-        qscale = tl.full((BLOCK_M,), sm_scale_log2, tl.float32)
+    if DOT_SCALED:
+        q_e8 = tl.broadcast_to(tl.load(EQ + h * T_Q + offs_m, mask=qmask, other=127)[:, None], (BLOCK_M, D // 32))
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     ref_i = tl.full((BLOCK_M,), -100, tl.int32)  # V reference exponent; >= -100 keeps 2^(8 - ref) finite
@@ -746,13 +782,13 @@ def _attn_fwd(
     for start_n in range(0, n_full, BLOCK_N):
         acc, l_i, m_i, ref_i = _attn_fwd_step(
             acc, l_i, m_i, ref_i, q, qscale, q_e8, sm_scale_log2, start_n, offs_m, hk,
-            K, EK, V, EV, KS, EKS, VS, EVS, stride_vh, stride_vd, stride_vt, T_K, HK, kd_start, kd_end, v_base,
-            qd_start, shift, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False, QUANT, False, DOT_SCALED)
+            K, KSB, EK, V, EV, KS, EKS, VS, EVS, stride_vh, stride_vd, stride_vt, T_K, HK, kd_start, kd_end, v_base,
+            qd_start, shift, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False, QUANT, QK_FP4, False, DOT_SCALED)
     for start_n in range(n_full, hi - kd_start, BLOCK_N):
         acc, l_i, m_i, ref_i = _attn_fwd_step(
             acc, l_i, m_i, ref_i, q, qscale, q_e8, sm_scale_log2, start_n, offs_m, hk,
-            K, EK, V, EV, KS, EKS, VS, EVS, stride_vh, stride_vd, stride_vt, T_K, HK, kd_start, kd_end, v_base,
-            qd_start, shift, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, True, QUANT, SAFEGUARD, DOT_SCALED)
+            K, KSB, EK, V, EV, KS, EKS, VS, EVS, stride_vh, stride_vd, stride_vt, T_K, HK, kd_start, kd_end, v_base,
+            qd_start, shift, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, True, QUANT, QK_FP4, SAFEGUARD, DOT_SCALED)
     if QUANT:
         acc = acc * _exp2_int(ref_i + 119)[:, None]  # back from units of 2^(ref - 8)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -768,18 +804,31 @@ def _fwd_config(D: int, quant: bool):
     return 128, (128 if quant and D <= 64 else 64), 8, 3
 
 
-def _quantize_qkv(q, k, v, plan, block_tokens, safeguard, flag):
-    """Quantize Q per token, K and V per token-block (+ per-token copies for the safeguard).
-    Returns a dict of the operands the kernels read; one quantizer launch per tensor."""
-    ops = {"q": quantize_mxfp8(q, plan, 1, "q", nonfinite_flag=flag)}
+def _quantize_qkv(q, k, v, plan, recipe, block_tokens, safeguard, flag):
+    """Quantize the forward's operands, one quantizer launch per tensor. Returns a dict of the operands the
+    kernels read: "q", "k", "ks" as (data, scale, block scale) — mxfp8: (E4M3, E8M0 exponents, unused);
+    nvfp4: (packed E2M1, FP32 second level, E4M3 block scales) — and "v", "vs" as MXFP8 with the
+    token-transposed copy. "ks", "vs" are the per-token copies of the safeguard (or K, V themselves)."""
+    none = q.new_empty(0)
+    if recipe == "nvfp4":  # Q and K: NVFP4 along the head dim, per token, so the safeguard never needs them
+        (qp, qsb, qs2), (kp, ksb, ks2) = quantize_nvfp4(q, plan, "q", flag), quantize_nvfp4(k, plan, "k", flag)
+        ops = {"q": (qp, qs2, qsb), "k": (kp, ks2, ksb)}
+        ops["ks"] = ops["k"]
+    else:
+        q8 = quantize_mxfp8(q, plan, 1, "q", nonfinite_flag=flag)  # Q per token: its scale must not span rows
+        ops = {"q": (q8.data, q8.exp, none)}
+        if safeguard:
+            k8, ks8 = quantize_mxfp8(k, plan, block_tokens, "k", per_token_copy=True, nonfinite_flag=flag)
+            ops["ks"] = (ks8.data, ks8.exp, none)
+        else:
+            k8 = quantize_mxfp8(k, plan, block_tokens, "k", nonfinite_flag=flag)
+        ops["k"] = (k8.data, k8.exp, none)
+        ops.setdefault("ks", ops["k"])
     if safeguard:
-        ops["k"], ops["ks"] = quantize_mxfp8(k, plan, block_tokens, "k", per_token_copy=True, nonfinite_flag=flag)
         ops["v"], ops["vs"] = quantize_mxfp8(v, plan, block_tokens, "k", transposed=True, per_token_copy=True,
                                              nonfinite_flag=flag)
     else:
-        ops["k"] = quantize_mxfp8(k, plan, block_tokens, "k", nonfinite_flag=flag)
-        ops["v"] = quantize_mxfp8(v, plan, block_tokens, "k", transposed=True, nonfinite_flag=flag)
-        ops["ks"], ops["vs"] = ops["k"], ops["v"]
+        ops["v"] = ops["vs"] = quantize_mxfp8(v, plan, block_tokens, "k", transposed=True, nonfinite_flag=flag)
     return ops
 
 
@@ -787,19 +836,21 @@ def _attn_forward(q, k, v, plan: Plan, *, causal, softmax_scale, recipe, block_t
     """Launch the forward. Returns (o, lse, ops) where ops holds the operands the backward reuses."""
     Tq, H, D = q.shape
     Tk, HK = k.shape[:2]
-    quant = recipe == "mxfp8"
+    quant = recipe != "bf16"
     safeguard = quant and causal and safeguard and block_tokens > 1
+    if recipe == "nvfp4" and backend == "dot_scaled":
+        raise ValueError("recipe='nvfp4' runs with backend='wgmma' (exact emulation of FP4); "
+                         "backend='dot_scaled' is for recipe='mxfp8'")
     flag = torch.zeros(1, dtype=torch.int32, device=q.device)
     if quant:
-        ops = _quantize_qkv(q, k, v, plan, block_tokens, safeguard, flag)
-        Qd, EQ = ops["q"].data, ops["q"].exp
-        Kd, EK, KS, EKS = ops["k"].data, ops["k"].exp, ops["ks"].data, ops["ks"].exp
+        ops = _quantize_qkv(q, k, v, plan, recipe, block_tokens, safeguard, flag)
+        (Qd, EQ, QSB), (Kd, EK, KSB), (KS, EKS, _) = ops["q"], ops["k"], ops["ks"]
         Vd, EV, VS, EVS = ops["v"].data_t, ops["v"].exp, ops["vs"].data_t, ops["vs"].exp
         strides_v = (D * plan.padded_k, plan.padded_k, 1)  # (H, D, T_pad) token-transposed
     else:
-        ops = {"flag": flag}
+        ops = {}
         Qd, Kd, Vd = (x.contiguous() for x in (q, k, v))
-        EQ = EK = EKS = EV = EVS = flag  # unused
+        EQ = EK = EKS = EV = EVS = QSB = KSB = flag  # unused
         KS, VS = Kd, Vd
         strides_v = (D, 1, HK * D)  # (T, H, D)
     ops["flag"] = flag
@@ -810,10 +861,11 @@ def _attn_forward(q, k, v, plan: Plan, *, causal, softmax_scale, recipe, block_t
     tiles = plan.tiles(BLOCK_M, "q", causal)
     if tiles.shape[0] > 0:
         _attn_fwd[(tiles.shape[0], H)](
-            Qd, EQ, Kd, EK, Vd, EV, KS, EKS, VS, EVS, o, lse, tiles, *strides_v,
+            Qd, EQ, Kd, EK, Vd, EV, KS, EKS, VS, EVS, QSB, KSB, o, lse, tiles, *strides_v,
             softmax_scale * 1.4426950408889634, Tq, Tk, H, HK,  # log2(e)
             D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_TOKENS=block_tokens, CAUSAL=causal, QUANT=quant,
-            SAFEGUARD=safeguard, DOT_SCALED=backend == "dot_scaled", num_warps=warps, num_stages=stages)
+            QK_FP4=recipe == "nvfp4", SAFEGUARD=safeguard, DOT_SCALED=backend == "dot_scaled",
+            num_warps=warps, num_stages=stages)
     return o, lse, ops
 
 
@@ -834,20 +886,19 @@ def _attn_forward(q, k, v, plan: Plan, *, causal, softmax_scale, recipe, block_t
 # query tile iterating over key tiles (the forward's schedule).
 @triton.jit
 def _attn_bwd_dkdv_step(dk, dv, k, v, ks, vs, kscale, vscale, kscale_s, vscale_s, start_m, offs_n, hq,
-                        Q, EQ, DO, EDO, LSE, DELTA, sm_scale_log2, T_Q, H, qd_start, kd_start, qd_end, shift,
+                        Q, EQ, QSB, DO, EDO, LSE, DELTA, sm_scale_log2, T_Q, H, qd_start, kd_start, qd_end, shift,
                         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
-                        MASKED: tl.constexpr, QUANT: tl.constexpr, SAFEGUARD: tl.constexpr):
+                        MASKED: tl.constexpr, QUANT: tl.constexpr, QK_FP4: tl.constexpr, SAFEGUARD: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     qmask = offs_m < qd_end
     ptrs = (offs_m[:, None] * H + hq) * D + offs_d[None, :]
-    q = tl.load(Q + ptrs, mask=qmask[:, None], other=0.0)
+    q, qs = _load_qk(Q, QSB, EQ, offs_m, hq, H, T_Q, qmask, BLOCK_M, D, QUANT, QK_FP4)
     do = tl.load(DO + ptrs, mask=qmask[:, None], other=0.0)
     lse2 = tl.load(LSE + hq * T_Q + offs_m, mask=qmask, other=0.0) * 1.4426950408889634  # log2(e)
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # rows without keys: P = 0
     delta = tl.load(DELTA + hq * T_Q + offs_m, mask=qmask, other=0.0)
     if QUANT:
-        qs = _exp2_int(tl.load(EQ + hq * T_Q + offs_m, mask=qmask, other=127).to(tl.int32))
         dos = _exp2_int(tl.load(EDO + hq * T_Q + offs_m, mask=qmask, other=127).to(tl.int32))
         st = tl.dot(k, tl.trans(q)) * kscale[:, None] * (qs * sm_scale_log2)[None, :]  # S^T, log2 domain
         dpt = tl.dot(v, tl.trans(do)) * vscale[:, None] * dos[None, :]
@@ -879,10 +930,11 @@ def _attn_bwd_dkdv_step(dk, dv, k, v, ks, vs, kscale, vscale, kscale_s, vscale_s
 @triton.jit
 def _attn_bwd_dkdv(
         Q, EQ, K, EK, V, EV, KS, EKS, VS, EVS, DO, EDO,  # forward operands (all (T, H, D)) and quantized dO
+        QSB, KSB,  # nvfp4 block scales of Q and K
         LSE, DELTA, DK, DV, TILES,  # (H, Tq) LSE and rowsum(dO * O); outputs (Tk, Hk, D); the Plan's key tiles
         sm_scale, T_Q, T_K, H, HK,
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-        CAUSAL: tl.constexpr, QUANT: tl.constexpr, SAFEGUARD: tl.constexpr):
+        CAUSAL: tl.constexpr, QUANT: tl.constexpr, QK_FP4: tl.constexpr, SAFEGUARD: tl.constexpr):
     tile, hk = tl.program_id(0), tl.program_id(1)
     row = TILES + tile * 8
     k_start, k_end = tl.load(row + TILE_START), tl.load(row + TILE_END)
@@ -893,18 +945,17 @@ def _attn_bwd_dkdv(
     offs_d = tl.arange(0, D)
     kmask = offs_n < k_end
     ptrs = (offs_n[:, None] * HK + hk) * D + offs_d[None, :]
-    k = tl.load(K + ptrs, mask=kmask[:, None], other=0.0)
+    k, kscale = _load_qk(K, KSB, EK, offs_n, hk, HK, T_K, kmask, BLOCK_N, D, QUANT, QK_FP4)
     v = tl.load(V + ptrs, mask=kmask[:, None], other=0.0)
     ks, vs = k, v
-    kscale = tl.full((BLOCK_N,), 1.0, tl.float32)
-    vscale, kscale_s, vscale_s = kscale, kscale, kscale
+    vscale = tl.full((BLOCK_N,), 1.0, tl.float32)
+    kscale_s, vscale_s = kscale, vscale
     if QUANT:
-        kscale = _exp2_int(tl.load(EK + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32))
         vscale = _exp2_int(tl.load(EV + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32))
         if SAFEGUARD:
-            ks = tl.load(KS + ptrs, mask=kmask[:, None], other=0.0)
+            if not QK_FP4:  # NVFP4 K is per token already
+                ks, kscale_s = _load_qk(KS, KSB, EKS, offs_n, hk, HK, T_K, kmask, BLOCK_N, D, QUANT, QK_FP4)
             vs = tl.load(VS + ptrs, mask=kmask[:, None], other=0.0)
-            kscale_s = _exp2_int(tl.load(EKS + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32))
             vscale_s = _exp2_int(tl.load(EVS + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32))
     sm_scale_log2 = sm_scale * 1.4426950408889634
     # Query tiles of the document that see this key tile: masked ones first (the diagonal, and the
@@ -929,36 +980,35 @@ def _attn_bwd_dkdv(
     for hq in range(hk * (H // HK), (hk + 1) * (H // HK)):  # GQA: sum over the query heads of this K/V head
         for start_m in range(q_lo, q_mid, BLOCK_M):
             dk, dv = _attn_bwd_dkdv_step(
-                dk, dv, k, v, ks, vs, kscale, vscale, kscale_s, vscale_s, start_m, offs_n, hq, Q, EQ, DO, EDO, LSE,
-                DELTA, sm_scale_log2, T_Q, H, qd_start, kd_start, qd_end, shift, D, BLOCK_M, BLOCK_TOKENS, CAUSAL,
-                True, QUANT, SAFEGUARD)
+                dk, dv, k, v, ks, vs, kscale, vscale, kscale_s, vscale_s, start_m, offs_n, hq, Q, EQ, QSB, DO, EDO,
+                LSE, DELTA, sm_scale_log2, T_Q, H, qd_start, kd_start, qd_end, shift, D, BLOCK_M, BLOCK_TOKENS, CAUSAL,
+                True, QUANT, QK_FP4, SAFEGUARD)
         for start_m in range(q_mid, q_full, BLOCK_M):
             dk, dv = _attn_bwd_dkdv_step(
-                dk, dv, k, v, ks, vs, kscale, vscale, kscale_s, vscale_s, start_m, offs_n, hq, Q, EQ, DO, EDO, LSE,
-                DELTA, sm_scale_log2, T_Q, H, qd_start, kd_start, qd_end, shift, D, BLOCK_M, BLOCK_TOKENS, CAUSAL,
-                False, QUANT, False)
+                dk, dv, k, v, ks, vs, kscale, vscale, kscale_s, vscale_s, start_m, offs_n, hq, Q, EQ, QSB, DO, EDO,
+                LSE, DELTA, sm_scale_log2, T_Q, H, qd_start, kd_start, qd_end, shift, D, BLOCK_M, BLOCK_TOKENS, CAUSAL,
+                False, QUANT, QK_FP4, False)
         for start_m in range(tl.maximum(q_full, q_mid), qd_end, BLOCK_M):
             dk, dv = _attn_bwd_dkdv_step(
-                dk, dv, k, v, ks, vs, kscale, vscale, kscale_s, vscale_s, start_m, offs_n, hq, Q, EQ, DO, EDO, LSE,
-                DELTA, sm_scale_log2, T_Q, H, qd_start, kd_start, qd_end, shift, D, BLOCK_M, BLOCK_TOKENS, CAUSAL,
-                True, QUANT, SAFEGUARD)
+                dk, dv, k, v, ks, vs, kscale, vscale, kscale_s, vscale_s, start_m, offs_n, hq, Q, EQ, QSB, DO, EDO,
+                LSE, DELTA, sm_scale_log2, T_Q, H, qd_start, kd_start, qd_end, shift, D, BLOCK_M, BLOCK_TOKENS, CAUSAL,
+                True, QUANT, QK_FP4, SAFEGUARD)
     tl.store(DK + ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=kmask[:, None])
     tl.store(DV + ptrs, dv.to(DV.dtype.element_ty), mask=kmask[:, None])
 
 
 @triton.jit
 def _attn_bwd_dq_step(dq, q, do, qscale_log2, doscale, lse2, delta, start_n, offs_m, hk,
-                      K, EK, V, EV, KS, EKS, VS, EVS, T_K, HK, kd_start, kd_end, qd_start, shift,
+                      K, KSB, EK, V, EV, KS, EKS, VS, EVS, T_K, HK, kd_start, kd_end, qd_start, shift,
                       D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
-                      MASKED: tl.constexpr, QUANT: tl.constexpr, SAFEGUARD: tl.constexpr):
+                      MASKED: tl.constexpr, QUANT: tl.constexpr, QK_FP4: tl.constexpr, SAFEGUARD: tl.constexpr):
     offs_n = kd_start + start_n + tl.arange(0, BLOCK_N)  # start_n: document-local offset
     offs_d = tl.arange(0, D)
     kmask = offs_n < kd_end
     ptrs = (offs_n[:, None] * HK + hk) * D + offs_d[None, :]
-    k = tl.load(K + ptrs, mask=kmask[:, None], other=0.0)
+    k, kscale = _load_qk(K, KSB, EK, offs_n, hk, HK, T_K, kmask, BLOCK_N, D, QUANT, QK_FP4)
     v = tl.load(V + ptrs, mask=kmask[:, None], other=0.0)
     if QUANT:
-        kscale = _exp2_int(tl.load(EK + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32))
         vscale = _exp2_int(tl.load(EV + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32))
         s = tl.dot(q, tl.trans(k)) * kscale[None, :] * qscale_log2[:, None]
         dp = tl.dot(do, tl.trans(v)) * vscale[None, :] * doscale[:, None]
@@ -973,11 +1023,12 @@ def _attn_bwd_dq_step(dq, q, do, qscale_log2, doscale, lse2, delta, start_n, off
             visible = visible & (pos_k[None, :] <= pos_q[:, None])
         if SAFEGUARD:
             same = visible & ((pos_k // BLOCK_TOKENS)[None, :] == (pos_q // BLOCK_TOKENS)[:, None])
-            ks = tl.load(KS + ptrs, mask=kmask[:, None], other=0.0)
+            ks, kscale_s = k, kscale
+            if not QK_FP4:  # NVFP4 K is per token already
+                ks, kscale_s = _load_qk(KS, KSB, EKS, offs_n, hk, HK, T_K, kmask, BLOCK_N, D, QUANT, QK_FP4)
+                s = tl.where(same, tl.dot(q, tl.trans(ks)) * kscale_s[None, :] * qscale_log2[:, None], s)
             vs = tl.load(VS + ptrs, mask=kmask[:, None], other=0.0)
-            kscale_s = _exp2_int(tl.load(EKS + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32))
             vscale_s = _exp2_int(tl.load(EVS + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32))
-            s = tl.where(same, tl.dot(q, tl.trans(ks)) * kscale_s[None, :] * qscale_log2[:, None], s)
             dp = tl.where(same, tl.dot(do, tl.trans(vs)) * vscale_s[None, :] * doscale[:, None], dp)
         s = tl.where(visible, s, float("-inf"))
     p = tl.exp2(s - lse2[:, None])
@@ -995,11 +1046,11 @@ def _attn_bwd_dq_step(dq, q, do, qscale_log2, doscale, lse2, delta, start_n, off
 
 @triton.jit
 def _attn_bwd_dq(
-        Q, EQ, K, EK, V, EV, KS, EKS, VS, EVS, DO, EDO,  # as in _attn_bwd_dkdv
+        Q, EQ, K, EK, V, EV, KS, EKS, VS, EVS, DO, EDO, QSB, KSB,  # as in _attn_bwd_dkdv
         LSE, DELTA, DQ, TILES,  # output (Tq, H, D); the Plan's query tiles
         sm_scale, T_Q, T_K, H, HK,
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-        CAUSAL: tl.constexpr, QUANT: tl.constexpr, SAFEGUARD: tl.constexpr):
+        CAUSAL: tl.constexpr, QUANT: tl.constexpr, QK_FP4: tl.constexpr, SAFEGUARD: tl.constexpr):
     tile, h = tl.program_id(0), tl.program_id(1)
     hk = h // (H // HK)
     row = TILES + tile * 8
@@ -1011,29 +1062,27 @@ def _attn_bwd_dq(
     offs_d = tl.arange(0, D)
     qmask = offs_m < q_end
     ptrs = (offs_m[:, None] * H + h) * D + offs_d[None, :]
-    q = tl.load(Q + ptrs, mask=qmask[:, None], other=0.0)
+    q, qscale = _load_qk(Q, QSB, EQ, offs_m, h, H, T_Q, qmask, BLOCK_M, D, QUANT, QK_FP4)
     do = tl.load(DO + ptrs, mask=qmask[:, None], other=0.0)
     lse2 = tl.load(LSE + h * T_Q + offs_m, mask=qmask, other=0.0) * 1.4426950408889634
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
     delta = tl.load(DELTA + h * T_Q + offs_m, mask=qmask, other=0.0)
     sm_scale_log2 = sm_scale * 1.4426950408889634
+    qscale_log2 = qscale * sm_scale_log2
+    doscale = qscale  # unused unless QUANT
     if QUANT:
-        qscale_log2 = _exp2_int(tl.load(EQ + h * T_Q + offs_m, mask=qmask, other=127).to(tl.int32)) * sm_scale_log2
         doscale = _exp2_int(tl.load(EDO + h * T_Q + offs_m, mask=qmask, other=127).to(tl.int32))
-    else:
-        qscale_log2 = tl.full((BLOCK_M,), sm_scale_log2, tl.float32)
-        doscale = qscale_log2
     n_full, hi = _key_range(q_start, q_end, qd_start, shift, kd_start, kd_end, BLOCK_N, BLOCK_TOKENS, CAUSAL,
                             SAFEGUARD)
     dq = tl.zeros((BLOCK_M, D), tl.float32)
     for start_n in range(0, n_full, BLOCK_N):
         dq = _attn_bwd_dq_step(dq, q, do, qscale_log2, doscale, lse2, delta, start_n, offs_m, hk,
-                               K, EK, V, EV, KS, EKS, VS, EVS, T_K, HK, kd_start, kd_end, qd_start, shift,
-                               D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False, QUANT, False)
+                               K, KSB, EK, V, EV, KS, EKS, VS, EVS, T_K, HK, kd_start, kd_end, qd_start, shift,
+                               D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False, QUANT, QK_FP4, False)
     for start_n in range(n_full, hi - kd_start, BLOCK_N):
         dq = _attn_bwd_dq_step(dq, q, do, qscale_log2, doscale, lse2, delta, start_n, offs_m, hk,
-                               K, EK, V, EV, KS, EKS, VS, EVS, T_K, HK, kd_start, kd_end, qd_start, shift,
-                               D, BLOCK_N, BLOCK_TOKENS, CAUSAL, True, QUANT, SAFEGUARD)
+                               K, KSB, EK, V, EV, KS, EKS, VS, EVS, T_K, HK, kd_start, kd_end, qd_start, shift,
+                               D, BLOCK_N, BLOCK_TOKENS, CAUSAL, True, QUANT, QK_FP4, SAFEGUARD)
     tl.store(DQ + ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=qmask[:, None])
 
 
@@ -1043,24 +1092,27 @@ def _bwd_config(D: int, quant: bool):
 
 
 def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, *, causal, softmax_scale, recipe, block_tokens, safeguard):
+    """ops: the forward's quantized operands (see _quantize_qkv); unused for recipe="bf16"."""
     Tq, H, D = q.shape
     Tk, HK = k.shape[:2]
-    quant = recipe == "mxfp8"
+    quant = recipe != "bf16"
     safeguard = quant and causal and safeguard and block_tokens > 1
     do = do.contiguous()
     delta = (o.float() * do.float()).sum(-1).t().contiguous()  # (H, Tq): rowsum(P * dP) = dO . O
     if quant:
-        dq8 = quantize_mxfp8(do, plan, block_tokens, "q")
-        operands = (ops["q"].data, ops["q"].exp, ops["k"].data, ops["k"].exp, ops["v"].data, ops["v"].exp,
-                    ops["ks"].data, ops["ks"].exp, ops["vs"].data, ops["vs"].exp, dq8.data, dq8.exp)
+        do8 = quantize_mxfp8(do, plan, block_tokens, "q")
+        (Qd, EQ, QSB), (Kd, EK, KSB), (KS, EKS, _) = ops["q"], ops["k"], ops["ks"]
+        operands = (Qd, EQ, Kd, EK, ops["v"].data, ops["v"].exp, KS, EKS, ops["vs"].data, ops["vs"].exp,
+                    do8.data, do8.exp, QSB, KSB)
     else:
         q, k, v = (x.contiguous() for x in (q, k, v))
-        operands = (q, delta, k, delta, v, delta, k, delta, v, delta, do, delta)  # exponents unused
+        operands = (q, delta, k, delta, v, delta, k, delta, v, delta, do, delta, delta, delta)  # scales unused
     init = torch.zeros if plan.keys_without_rows else torch.empty
     dk, dv = init(Tk, HK, D, dtype=q.dtype, device=q.device), init(Tk, HK, D, dtype=q.dtype, device=q.device)
     dq = (torch.zeros if plan.rows_without_keys[causal] else torch.empty)(Tq, H, D, dtype=q.dtype, device=q.device)
     (BM1, BN1, w1, s1), (BM2, BN2, w2, s2) = _bwd_config(D, quant)
-    meta = dict(D=D, BLOCK_TOKENS=block_tokens, CAUSAL=causal, QUANT=quant, SAFEGUARD=safeguard)
+    meta = dict(D=D, BLOCK_TOKENS=block_tokens, CAUSAL=causal, QUANT=quant, QK_FP4=recipe == "nvfp4",
+                SAFEGUARD=safeguard)
     tiles = plan.tiles(BN1, "k", causal)
     if tiles.shape[0] > 0:
         _attn_bwd_dkdv[(tiles.shape[0], HK)](*operands, lse, delta, dk, dv, tiles, softmax_scale, Tq, Tk, H, HK,
@@ -1110,7 +1162,23 @@ def _plan_for(cu_q: torch.Tensor, cu_k: torch.Tensor, dense: list) -> Plan:
     return plan
 
 
-_SAVED = 10  # quantized operands the forward hands to the backward: (data, exp) of q, k, v, k_tok, v_tok
+_SAVED = 12  # quantized operands the forward hands to the backward: q (3), k (3), ks (2), v (2), vs (2)
+
+
+def _pack_saved(ops):
+    """The forward's operands as a flat list of distinct tensors (custom-op outputs may not alias):
+    a per-token copy that is K or V itself travels as an empty tensor."""
+    ks = ops["ks"][:2] if ops["ks"] is not ops["k"] else (None, None)
+    vs = (ops["vs"].data, ops["vs"].exp) if ops["vs"] is not ops["v"] else (None, None)
+    flat = [*ops["q"], *ops["k"], *ks, ops["v"].data, ops["v"].exp, *vs]
+    return [t if t is not None and t.numel() else torch.empty(0, device=ops["flag"].device) for t in flat]
+
+
+def _unpack_saved(saved):
+    ops = {"q": tuple(saved[0:3]), "k": tuple(saved[3:6]), "v": MXFP8(saved[8], saved[9])}
+    ops["ks"] = (saved[6], saved[7], saved[5]) if saved[6].numel() else ops["k"]
+    ops["vs"] = MXFP8(saved[10], saved[11]) if saved[10].numel() else ops["v"]
+    return ops
 
 
 @torch.library.custom_op("flamia::fwd", mutates_args=(), device_types=("cuda", "cpu"))
@@ -1124,10 +1192,9 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: tor
         raise ValueError("q, k or v contains inf or NaN: E8M0 scales of such blocks are NaN "
                          "(FLAMIA refuses to turn them into finite garbage)")
     if recipe == "bf16":
-        saved = [q.new_empty(0)] * _SAVED
+        saved = [q.new_empty(0, dtype=torch.float32) for _ in range(_SAVED)]
     else:
-        saved = [t for n in ("q", "k", "v", "ks", "vs") for t in (ops[n].data, ops[n].exp)]
-        saved = [t.clone() if any(t is u for u in saved[:i]) else t for i, t in enumerate(saved)]  # no aliases
+        saved = _pack_saved(ops)
     return [o, lse] + saved
 
 
@@ -1136,12 +1203,18 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale, recipe,
       check_finite):
     Tq, H, D = q.shape
     Tk, HK = k.shape[:2]
+    f8, u8, e = torch.float8_e4m3fn, torch.uint8, lambda: q.new_empty(0, dtype=torch.float32)
     if recipe == "bf16":
-        saved = [q.new_empty(0)] * _SAVED
+        return [torch.empty_like(q), q.new_empty(H, Tq, dtype=torch.float32)] + [e() for _ in range(_SAVED)]
+    mx = lambda T, h: [q.new_empty(T, h, D, dtype=f8), q.new_empty(h, T, dtype=u8)]
+    tok = causal and safeguard and block_tokens > 1
+    if recipe == "nvfp4":
+        fp4 = lambda T, h: [q.new_empty(T, h, D // 2, dtype=u8), q.new_empty(h, T, dtype=torch.float32),
+                            q.new_empty(T, h, D // NVFP4_BLOCK, dtype=f8)]
+        saved = fp4(Tq, H) + fp4(Tk, HK) + [e(), e()]
     else:
-        f8, u8 = torch.float8_e4m3fn, torch.uint8
-        saved = [q.new_empty(Tq, H, D, dtype=f8), q.new_empty(H, Tq, dtype=u8)]
-        saved += [k.new_empty(Tk, HK, D, dtype=f8), k.new_empty(HK, Tk, dtype=u8)] * 4
+        saved = mx(Tq, H) + [e()] + mx(Tk, HK) + [e()] + (mx(Tk, HK) if tok else [e(), e()])
+    saved += mx(Tk, HK) + (mx(Tk, HK) if tok else [e(), e()])
     return [torch.empty_like(q), q.new_empty(H, Tq, dtype=torch.float32)] + saved
 
 
@@ -1151,7 +1224,7 @@ def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             dense: list[int], causal: bool, softmax_scale: float, recipe: str, block_tokens: int,
             safeguard: bool) -> list[torch.Tensor]:
     plan = _plan_for(cu_seqlens_q, cu_seqlens_k, dense)
-    ops = {n: MXFP8(saved[2 * i], saved[2 * i + 1]) for i, n in enumerate(("q", "k", "v", "ks", "vs"))}
+    ops = _unpack_saved(saved)
     return list(_attn_backward(do, q, k, v, o, lse, ops, plan, causal=causal, softmax_scale=softmax_scale,
                                recipe=recipe, block_tokens=block_tokens, safeguard=safeguard))
 

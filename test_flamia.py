@@ -1,0 +1,850 @@
+"""Tests for flamia.py: formats, document-local scaling, the Triton quantizer, the Plan, the fused
+attention kernels against the PyTorch oracle, causal safety, and the public API.
+
+One file for CPU CI and the GPU machine. Without CUDA, conftest.py turns on TRITON_INTERPRET=1 (and
+patches the interpreter's numerics), so every kernel runs in Triton's interpreter: shapes are kept
+to a few hundred tokens and 2-4 heads. With CUDA the same tests run the compiled kernels.
+
+Conventions: every test draws fresh random inputs from its own fixed seed; a failing comparison
+prints the max / mean absolute difference (and the relative L2 error where a tolerance is used);
+"bitwise" means identical bytes (fp8 data is compared through .view(torch.uint8)).
+    python -m pytest -q test_flamia.py            (the README / CI command)
+"""
+import functools
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+import flamia
+from conftest import interpreter_numerics_patched
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = bool(knobs.runtime.interpret)
+BF16, FP16, F8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
+
+# Layouts (document lengths) used throughout: empty documents, a 1-token document, lengths around a
+# 32-token block (31/32/33), documents that start mid-block, and one long enough for two 128-tiles.
+LENS_FWD = (0, 1, 31, 32, 33, 150)
+LENS_BLOCKS = (0, 1, 31, 32, 33, 0, 70, 5)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+def offsets_of(lens):
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return out
+
+
+def cu_of(lens, device=DEVICE):
+    return torch.tensor(offsets_of(lens), dtype=torch.int32, device=device)
+
+
+def randn(gen, *shape, dtype=BF16, device=DEVICE):
+    """Standard normal drawn on the CPU from `gen` (same values on every device), then cast and moved."""
+    return torch.randn(*shape, generator=gen).to(dtype).to(device)
+
+
+def rel_l2(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def diff_report(a, b, what="") -> str:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    d = (a - b).abs()
+    fin = d[d.isfinite()]
+    mx, mean = (float(fin.max()), float(fin.mean())) if fin.numel() else (float("nan"), float("nan"))
+    return (f"{what}: max |diff| {mx:.3e}, mean |diff| {mean:.3e}, rel L2 {rel_l2(a, b) if b.norm() > 0 else float('nan'):.3e}, "
+            f"differing elements {int((a != b).sum())}/{a.numel()}")
+
+
+def as_bytes(x):
+    return x.view(torch.uint8) if x.dtype in (F8, torch.uint8) else x
+
+
+def assert_bitwise(a, b, what=""):
+    """Identical bytes (NaN-free tensors; -inf == -inf counts as equal)."""
+    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape} {a.dtype} vs {b.shape} {b.dtype}"
+    if a.dtype in (F8, torch.uint8):
+        ua, ub = as_bytes(a), as_bytes(b)
+        bad = ua != ub
+        assert not bad.any(), (f"{what}: {int(bad.sum())}/{a.numel()} bytes differ; first at "
+                               f"{bad.nonzero()[0].tolist()}: {ua[bad][:8].tolist()} vs {ub[bad][:8].tolist()}; "
+                               + diff_report(a.float(), b.float(), "values"))
+    else:
+        assert torch.equal(a, b), diff_report(a, b, what)
+
+
+def assert_rel(a, b, tol, what=""):
+    err = rel_l2(a, b)
+    assert err <= tol, f"rel L2 {err:.4e} > {tol:.1e}; " + diff_report(a, b, what)
+    return err
+
+
+def scale_rule_by_hand(amax: float) -> int:
+    """Independent statement of the scale rule in Python floats (exact for these magnitudes): the
+    biased exponent k + 127 of the smallest power of two 2^k with amax / 2^k <= 448, clamped to >= 1;
+    255 (E8M0 NaN) for a non-finite amax."""
+    if not math.isfinite(amax):
+        return 255
+    if amax == 0.0:
+        return 1
+    k = math.floor(math.log2(amax / 448.0))
+    while amax > 448.0 * 2.0 ** k:
+        k += 1
+    while amax <= 448.0 * 2.0 ** (k - 1):
+        k -= 1
+    return max(k + 127, 1)
+
+
+def api(q, k, v, lens_q, lens_k=None, **kw):
+    """flamia_attn_varlen_func on packed documents given by their lengths."""
+    lens_k = lens_q if lens_k is None else lens_k
+    cu_q, cu_k = cu_of(lens_q), cu_of(lens_k)
+    return flamia.flamia_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), **kw)
+
+
+def qkv(seed, T, H=4, HK=2, D=64, dtype=BF16, Tk=None, requires_grad=False):
+    gen = torch.Generator().manual_seed(seed)
+    Tk = T if Tk is None else Tk
+    q, k, v = randn(gen, T, H, D, dtype=dtype), randn(gen, Tk, HK, D, dtype=dtype), randn(gen, Tk, HK, D, dtype=dtype)
+    if requires_grad:
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+    return q, k, v
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. The interpreter patch is active (CPU) / the kernels are compiled (GPU)
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _probe_kernel(A, B, C, R, X, Y8, YB, N: tl.constexpr, M: tl.constexpr):
+    """C = A @ B (bf16 operands, fp32 accumulate); R = rowmax(C) through tl.max (a triton.language
+    @jit function, as every flamia kernel uses); Y8 = fp8e4nv(X); YB = bf16(X)."""
+    r = tl.arange(0, N)
+    a = tl.load(A + r[:, None] * N + r[None, :])
+    b = tl.load(B + r[:, None] * N + r[None, :])
+    c = tl.dot(a, b)
+    tl.store(C + r[:, None] * N + r[None, :], c)
+    tl.store(R + r, tl.max(c, axis=1))
+    m = tl.arange(0, M)
+    x = tl.load(X + m)
+    tl.store(Y8 + m, x.to(tl.float8e4nv))
+    tl.store(YB + m, x.to(tl.bfloat16))
+
+
+def _cast_probe_values(gen):
+    """fp32 values that exercise every way a cast to E4M3 / bf16 can go wrong: ties in every binade
+    (incl. carries into the exponent), E4M3 subnormals and their ties, overflow past 448, random
+    magnitudes over 2^-14..2^12, both signs."""
+    ties = [m * 2.0 ** e for e in range(-6, 9) for m in (1.0625, 1.1875, 1.3125, 1.4375, 1.5625, 1.6875, 1.8125, 1.9375)]
+    sub = [j * 2.0 ** -10 for j in range(0, 32)]  # E4M3 subnormal step is 2^-9: all ties and carries
+    big = [440.0, 447.0, 448.0, 449.0, 456.0, 464.0, 480.0, 1000.0, 1e6, 3e38]
+    bf16_ties = [1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 3.0 + 2.0 ** -7]  # bf16 RNE ties
+    vals = torch.tensor(ties + sub + big + bf16_ties, dtype=torch.float32)
+    rnd = torch.randn(1024, generator=gen) * torch.exp2(torch.randint(-14, 13, (1024,), generator=gen).float())
+    x = torch.cat([vals, -vals, rnd])[:1024]
+    return x
+
+
+def test_interpreter_patch_active_or_compiled():
+    """Pins that CI can't run on the interpreter's broken numerics: under TRITON_INTERPRET the conftest
+    patch is installed and a bf16 tl.dot / fp32->e4m3 / fp32->bf16 cast match torch BIT-EXACTLY (the
+    unpatched interpreter multiplies bf16 bit patterns and drops fp8 rounding carries). On a GPU it
+    asserts the opposite (kernels are compiled, no patch) and the same bit-exact checks hold there too.
+    Dot operands are multiples of 1/4 in [-4, 4], so every partial sum is exact in fp32 and the result
+    cannot depend on the summation order: bit-exact is the right tolerance on any hardware."""
+    from triton.runtime.interpreter import InterpretedFunction
+    if INTERPRETED:
+        assert DEVICE == "cpu"
+        assert interpreter_numerics_patched(), "kernels are interpreted but conftest's numerics patch is not active"
+        assert isinstance(flamia._attn_fwd, InterpretedFunction) and isinstance(_probe_kernel, InterpretedFunction)
+        # triton.language's own @jit helpers (tl.max, tl.sum, ...) are decorated when triton is imported:
+        # if that happened before TRITON_INTERPRET=1 was set, every kernel calling them fails with
+        # "Cannot call @triton.jit'd outside of the scope of a kernel".
+        assert isinstance(tl.max, InterpretedFunction) and isinstance(tl.sum, InterpretedFunction), (
+            "triton was imported before TRITON_INTERPRET=1 was set (conftest.py imports triton first), so "
+            f"tl.max is a {type(tl.max).__name__}: every interpreted kernel that calls tl.max / tl.sum fails")
+    else:
+        assert DEVICE == "cuda", "no CUDA and no interpreter: the kernels cannot run at all"
+        assert not interpreter_numerics_patched()
+        assert not isinstance(flamia._attn_fwd, InterpretedFunction)
+        assert isinstance(flamia._attn_fwd, triton.runtime.JITFunction)
+    gen = torch.Generator().manual_seed(1)
+    N, M = 32, 1024
+    a = (torch.randint(-16, 17, (N, N), generator=gen).float() / 4).to(BF16)
+    b = (torch.randint(-16, 17, (N, N), generator=gen).float() / 4).to(BF16)
+    x = _cast_probe_values(gen)
+    c = torch.empty(N, N, dtype=torch.float32, device=DEVICE)
+    rmax = torch.empty(N, dtype=torch.float32, device=DEVICE)
+    y8 = torch.empty(M, dtype=F8, device=DEVICE)
+    yb = torch.empty(M, dtype=BF16, device=DEVICE)
+    _probe_kernel[(1,)](a.to(DEVICE), b.to(DEVICE), c, rmax, x.to(DEVICE), y8, yb, N=N, M=M)
+    assert_bitwise(c.cpu(), a.float() @ b.float(), "bf16 tl.dot vs torch")
+    assert_bitwise(rmax.cpu(), (a.float() @ b.float()).amax(1), "tl.max vs torch")
+    assert_bitwise(y8.cpu(), x.clamp(-448, 448).to(F8), "fp32->float8e4nv vs torch (saturating RNE)")
+    assert_bitwise(yb.cpu(), x.to(BF16), "fp32->bf16 vs torch (RNE)")
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The scale rule
+# ---------------------------------------------------------------------------------------------
+def test_e8m0_exponent_special_values():
+    """The E8M0 scale rule on its edge cases, exact (it is integer bit arithmetic): zero and tiny
+    amax clamp to e=1, 448 is the largest amax for s=1, powers of two land at 2^8, max bf16/fp32 and
+    non-finite amax. Each expectation is also checked against scale_rule_by_hand."""
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32)
+    nxt = lambda v, d: float(torch.nextafter(f32(v), f32(d)))
+    cases = {
+        0.0: 1,
+        1e-45: 1,                      # smallest fp32 subnormal
+        2.0 ** -127: 1,                # fp32 subnormal
+        1.5 * 2.0 ** -127: 1,
+        2.0 ** -118: 1,                # exactly 256 * 2^-126: no clamp needed, e = 1 by the rule itself
+        448.0 * 2.0 ** -126: 1,        # the largest amax with e = 1
+        nxt(448.0 * 2.0 ** -126, 1.0): 2,
+        448.0: 127,
+        nxt(448.0, 0.0): 127,
+        nxt(448.0, 1e9): 128,
+        449.0: 128,
+        896.0: 128,
+        1.0: 119,                      # 1 / 2^-8 = 256 <= 448 < 512
+        float(torch.finfo(BF16).max): 247,
+        float(torch.finfo(torch.float32).max): 247,
+        float("inf"): 255,
+        float("nan"): 255,
+    }
+    amax = torch.tensor(list(cases), dtype=torch.float32, device=DEVICE)
+    got = flamia.e8m0_exponent(amax).cpu()
+    assert got.dtype == torch.uint8
+    want = torch.tensor(list(cases.values()), dtype=torch.uint8)
+    bad = got != want
+    assert not bad.any(), f"amax {amax.cpu()[bad].tolist()}: got {got[bad].tolist()}, want {want[bad].tolist()}"
+    by_hand = torch.tensor([scale_rule_by_hand(a) for a in amax.cpu().tolist()], dtype=torch.uint8)
+    assert torch.equal(by_hand, want), "the hand-written scale rule disagrees with the table (test bug)"
+    # Exact powers of two: amax = 2^k -> s = 2^(k-8) (amax / s = 256), for every k that needs no clamp.
+    ks = torch.arange(-118, 128)
+    e = flamia.e8m0_exponent(torch.ldexp(torch.ones(ks.shape), ks).to(DEVICE)).cpu()
+    assert torch.equal(e.int(), (ks + 119).int()), f"powers of two: {e[e.int() != ks + 119][:8].tolist()}"
+    # NaN exponent decodes to NaN, every other one to an exact power of two.
+    s = flamia.e8m0_to_float(torch.tensor([1, 127, 254, 255], dtype=torch.uint8, device=DEVICE)).cpu()
+    assert s[:3].tolist() == [2.0 ** -126, 1.0, 2.0 ** 127] and math.isnan(s[3])
+
+
+def test_e8m0_exponent_property_random():
+    """For random amax over the whole fp32 range (subnormals included) and for the two fp32 neighbours
+    of every boundary 448 * 2^k, s = 2^(e-127) is the smallest power of two with amax/s <= 448:
+    amax/s <= 448 and amax/(s/2) > 448 unless clamped at e = 1. Checked in float64 (exact)."""
+    gen = torch.Generator().manual_seed(2)
+    rnd = torch.exp2(torch.rand(200_000, generator=gen, dtype=torch.float64) * 280 - 152).float()
+    bnd = torch.ldexp(torch.full((250,), 448.0), torch.arange(-134, 116))
+    amax = torch.cat([rnd, bnd, torch.nextafter(bnd, torch.zeros(())), torch.nextafter(bnd, torch.full((), math.inf))])
+    amax = amax[(amax >= 0) & amax.isfinite()]
+    e = flamia.e8m0_exponent(amax.to(DEVICE)).cpu().double()
+    assert (e >= 1).all() and (e <= 254).all()
+    a, s = amax.double(), torch.exp2(e - 127)
+    over = a / s > 448
+    assert not over.any(), f"saturates: amax {a[over][:5].tolist()} e {e[over][:5].tolist()}"
+    loose = (a / (s / 2) <= 448) & (e > 1)
+    assert not loose.any(), f"not the smallest scale: amax {a[loose][:5].tolist()} e {e[loose][:5].tolist()}"
+    sub = torch.randperm(amax.numel(), generator=gen)[:3000]
+    by_hand = torch.tensor([scale_rule_by_hand(x) for x in amax[sub].tolist()], dtype=torch.float64)
+    assert torch.equal(by_hand, e[sub])
+
+
+def test_all_zero_block_dequantizes_to_zeros():
+    """An all-zero block has a defined scale (e = 1) and dequantizes to exact zeros, in the reference
+    and in the Triton quantizer (for per-token and 32-token blocks)."""
+    gen = torch.Generator().manual_seed(3)
+    lens = (40, 33)
+    x = randn(gen, sum(lens), 2, 64)
+    x[0:32] = 0  # the whole first block of doc 0, both heads
+    x[40:73, 1] = 0  # all of doc 1, head 1 (two blocks, the second one a single token)
+    cu = cu_of(lens)
+    zero = (x == 0).all(-1)  # (T, H): the same tokens for bt=1 and bt=32 (these blocks hold only zeros)
+    for bt in (1, 32):
+        for name, m in (("reference", flamia.quantize_mxfp8_reference(x, cu, bt)),
+                        ("triton", flamia.quantize_mxfp8(x, flamia.Plan(cu), bt, "q"))):
+            assert (m.exp.t()[zero] == 1).all(), f"{name} bt={bt}: exps {m.exp.t()[zero].unique().tolist()}"
+            assert (as_bytes(m.data)[zero] == 0).all(), f"{name} bt={bt}: zero block holds non-+0 bytes"
+            deq = m.dequantize()
+            assert torch.equal(deq[zero], torch.zeros_like(deq[zero])), diff_report(deq[zero], x[zero], name)
+            assert deq.isfinite().all() and (deq[~zero] != 0).float().mean() > 0.9
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. E4M3 elements: round to nearest even, range, round-trip error
+# ---------------------------------------------------------------------------------------------
+# (value / s, expected E4M3 value): ties go to the even mantissa, including carries into the next
+# binade, subnormal ties (step 2^-9) and the subnormal -> normal carry; just past a tie rounds up.
+E4M3_TIES = [
+    (1.0625, 1.0), (1.1875, 1.25), (1.3125, 1.25), (1.4375, 1.5), (1.5625, 1.5), (1.6875, 1.75), (1.8125, 1.75),
+    (1.9375, 2.0), (15.5, 16.0), (232.0, 224.0), (248.0, 256.0), (432.0, 448.0), (416.0, 416.0), (3.25, 3.25),
+    (0.5 * 2.0 ** -9, 0.0), (1.5 * 2.0 ** -9, 2.0 * 2.0 ** -9), (2.5 * 2.0 ** -9, 2.0 * 2.0 ** -9),
+    (7.5 * 2.0 ** -9, 2.0 ** -6), (1.0625 + 2.0 ** -20, 1.125), (0.5 * 2.0 ** -9 + 2.0 ** -20, 2.0 ** -9),
+    (-1.0625, -1.0), (-1.1875, -1.25), (-232.0, -224.0), (-1.5 * 2.0 ** -9, -2.0 * 2.0 ** -9),
+]
+
+
+@pytest.mark.parametrize("scale_pow", [0, -20, 30])
+def test_e4m3_round_to_nearest_even(scale_pow):
+    """quantize_mxfp8_reference rounds x/s to E4M3 with round-to-nearest-even, exactly as listed by
+    hand above (and as torch's own cast does). The token holds 448 * 2^p so its scale is exactly 2^p:
+    the division by s is exact and the crafted ties stay ties at every scale."""
+    s = 2.0 ** scale_pow
+    vals = [448.0] + [v for v, _ in E4M3_TIES]
+    want = torch.tensor([448.0] + [w for _, w in E4M3_TIES], dtype=torch.float64)
+    x = torch.zeros(1, 1, 64, dtype=torch.float32)
+    x[0, 0, :len(vals)] = torch.tensor(vals, dtype=torch.float64) * s
+    m = flamia.quantize_mxfp8_reference(x.to(DEVICE), cu_of([1]), 1)
+    assert int(m.exp[0, 0]) == 127 + scale_pow
+    got = m.data[0, 0, :len(vals)].double().cpu()
+    bad = got != want
+    assert not bad.any(), f"x/s {torch.tensor(vals)[bad].tolist()}: got {got[bad].tolist()}, want {want[bad].tolist()}"
+    assert torch.equal(as_bytes(m.data).cpu()[0, 0, :len(vals)], (x[0, 0, :len(vals)] / s).to(F8).view(torch.uint8))
+
+
+def _wide_range(gen, T, H, D, dtype=BF16):
+    """Inputs that stress the quantizer: per-token magnitudes 2^-20..2^20 (2^-12..2^8 for fp16), a few
+    outlier channels, some tokens with per-element magnitudes spread over 2^-10..1 (E4M3 subnormals and
+    rounding carries), and a few tokens in the input format's own subnormal range."""
+    lo, hi, outlier, tiny = (-20, 20, 64.0, 2.0 ** -130) if dtype == BF16 else (-12, 8, 16.0, 2.0 ** -20)
+    x = torch.randn(T, H, D, generator=gen)
+    x *= torch.exp2(torch.randint(lo, hi + 1, (T, H, 1), generator=gen).float())
+    x[:, :, torch.randperm(D, generator=gen)[:3]] *= outlier
+    spread = torch.rand(T, generator=gen) < 0.3
+    x[spread] *= torch.exp2(torch.randint(-10, 1, (int(spread.sum()), H, D), generator=gen).float())
+    sub = torch.randperm(T, generator=gen)[:max(1, T // 16)]
+    x[sub] = torch.randn(len(sub), H, D, generator=gen) * tiny
+    return x.to(dtype)
+
+
+def test_e4m3_range_and_round_trip():
+    """On wide-range data (block sizes 1 and 32): every element lands in [-448, 448] and is finite; the
+    scale is tight (each block's largest |element| reaches >= 224 unless the scale is clamped at e=1);
+    dequantization error is <= 2^-4 * |x| (half an E4M3 ulp, 3 mantissa bits) for elements in E4M3's
+    normal range (|x/s| >= 2^-6) and <= 2^-10 * s (half the subnormal step 2^-9) below it."""
+    gen = torch.Generator().manual_seed(4)
+    lens = (37, 64, 1, 90)
+    x = _wide_range(gen, sum(lens), 2, 64).to(DEVICE)
+    cu = cu_of(lens)
+    for bt in (1, 32):
+        m = flamia.quantize_mxfp8_reference(x, cu, bt)
+        q = m.data.float()
+        assert q.isfinite().all() and (q.abs() <= 448).all(), f"bt={bt}: |data| max {q.abs().max()}"
+        e = m.exp.t()  # (T, H)
+        start = flamia.token_block_start(cu, x.shape[0], bt)
+        idx = start[:, None].expand_as(e)
+        blockmax = torch.zeros_like(e, dtype=torch.float32).scatter_reduce(
+            0, idx, q.abs().amax(-1), "amax", include_self=False).gather(0, idx)  # (T, H) max |element| of the block
+        loose = (blockmax < 224) & (e > 1)
+        assert not loose.any(), f"bt={bt}: {int(loose.sum())} blocks whose max element is < 224 (scale not tight)"
+        s = flamia.e8m0_to_float(m.exp).t()[..., None].double()
+        xd, deq = x.double(), m.dequantize().double()
+        err = (deq - xd).abs()
+        normal = xd.abs() / s >= 2.0 ** -6
+        assert normal.sum() > 1000 and (~normal).sum() > 1000, "the test data should cover both ranges"
+        bad_n = err[normal] > 2.0 ** -4 * xd.abs()[normal]
+        bad_s = err[~normal] > 2.0 ** -10 * s.expand_as(xd)[~normal]
+        assert not bad_n.any(), f"bt={bt}: {int(bad_n.sum())} normal-range elements off by > 2^-4 relative; " + \
+            diff_report(deq[normal], xd[normal])
+        assert not bad_s.any(), f"bt={bt}: {int(bad_s.sum())} subnormal-range elements off by > 2^-10 s"
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Document-local token blocks
+# ---------------------------------------------------------------------------------------------
+def _quantize(impl, x, cu, bt):
+    if impl == "reference":
+        return flamia.quantize_mxfp8_reference(x, cu, bt)
+    return flamia.quantize_mxfp8(x, flamia.Plan(cu), bt, "q")
+
+
+def _changed_tokens(a, b):
+    """(T, H) bool: tokens whose exponent or any data byte differs between two quantizations."""
+    return (a.exp != b.exp).t() | (as_bytes(a.data) != as_bytes(b.data)).any(-1)
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("bt", [32, 64, 128])
+def test_document_local_token_blocks(impl, bt):
+    """Scale blocks are bt consecutive tokens of ONE document and ONE head, restarting at every document
+    start (documents here start mid-block and have lengths 0, 1, 31, 32, 33, 70, 5): every block carries
+    one exponent, equal to the hand-computed scale rule of the block's amax. Replacing one token by an
+    outlier (2^40, above any amax here) changes exponents / data of its own (document, block) only --
+    never another document, never an earlier or later block -- and does change its own block's
+    exponent (the check has teeth)."""
+    gen = torch.Generator().manual_seed(5 + bt)
+    lens = LENS_BLOCKS
+    offs = offsets_of(lens)
+    x = _wide_range(gen, offs[-1], 2, 64).to(DEVICE)
+    cu = cu_of(lens)
+    m = _quantize(impl, x, cu, bt)
+    exp, amax_tok = m.exp.cpu(), x.float().abs().amax(-1).cpu()
+    blocks = []  # (start, end) of every (document, block)
+    for a, b in zip(offs, offs[1:]):
+        blocks += [(s, min(s + bt, b)) for s in range(a, b, bt)]
+    for s, e in blocks:
+        for h in range(2):
+            want = scale_rule_by_hand(float(amax_tok[s:e, h].max()))
+            got = exp[h, s:e].tolist()
+            assert got == [want] * (e - s), f"block [{s},{e}) head {h}: exps {got}, want {want}"
+    for t in (offs[1], offs[2] + 15, offs[3] - 1, offs[4] + 31, offs[6] + 32, offs[6] + 69, offs[8] - 1):
+        blk = next((s, e) for s, e in blocks if s <= t < e)
+        x2 = x.clone()
+        x2[t] = randn(gen, 2, 64) * 2.0 ** 40
+        changed = _changed_tokens(m, _quantize(impl, x2, cu, bt)).cpu()
+        outside = changed.clone()
+        outside[blk[0]:blk[1]] = False
+        assert not outside.any(), (f"perturbing token {t} (block {blk}) changed tokens "
+                                   f"{outside.any(1).nonzero().flatten().tolist()} outside its block")
+        e2 = _quantize(impl, x2, cu, bt).exp
+        assert (e2[:, blk[0]:blk[1]] != m.exp[:, blk[0]:blk[1]]).all(), "the perturbation did not move the block scale"
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. The fused Triton quantizer is bit-identical to the reference
+# ---------------------------------------------------------------------------------------------
+QUANT_LAYOUTS = [(0, 1, 31, 32, 33, 150), (200,), (0, 0, 129, 1, 64, 0, 17)]
+
+
+def _valid_padded_positions(offsets, t_pad):
+    """(T_pad,) bool mask of the non-padding positions of a token-transposed (16-aligned) layout."""
+    mask = torch.zeros(t_pad, dtype=torch.bool)
+    p = 0
+    for a, b in zip(offsets, offsets[1:]):
+        mask[p:p + b - a] = True
+        p += -(-(b - a) // flamia.PAD_ALIGN) * flamia.PAD_ALIGN
+    return mask
+
+
+@pytest.mark.parametrize("bt", [1, 32, 128])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_triton_quantizer_bit_identical(dtype, D, bt):
+    """quantize_mxfp8(transposed=True, per_token_copy=True) == quantize_mxfp8_reference byte for byte:
+    block data and exponents (reference at bt), per-token copy (reference at bt=1), and both token-
+    transposed copies == transpose_tokens_reference at every non-padding position. Wide-range inputs
+    (see _wide_range) exercise rounding carries and subnormals; layouts include empty documents and
+    documents that start mid-tile; one layout goes through side="k" of a cross-attention Plan."""
+    gen = torch.Generator().manual_seed(6 + D + bt)
+    H = 2
+    for li, lens in enumerate(QUANT_LAYOUTS):
+        offs = offsets_of(lens)
+        cu = cu_of(lens)
+        x = _wide_range(gen, offs[-1], H, D, dtype).to(DEVICE)
+        if li == 2:  # x follows the key documents of a Plan whose query documents differ
+            plan, side = flamia.Plan(cu_of([5] * len(lens)), cu), "k"
+        else:
+            plan, side = flamia.Plan(cu), "q"
+        flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        blk, tok = flamia.quantize_mxfp8(x, plan, bt, side, transposed=True, per_token_copy=True, nonfinite_flag=flag)
+        ref, ref1 = flamia.quantize_mxfp8_reference(x, cu, bt), flamia.quantize_mxfp8_reference(x, cu, 1)
+        where = f"layout {lens} ({side} side)"
+        assert_bitwise(blk.exp, ref.exp, f"{where}: block exponents")
+        assert_bitwise(blk.data, ref.data, f"{where}: block data")
+        assert_bitwise(tok.exp, ref1.exp, f"{where}: per-token exponents")
+        assert_bitwise(tok.data, ref1.data, f"{where}: per-token data")
+        valid = _valid_padded_positions(offs, blk.data_t.shape[-1]).to(DEVICE)
+        for got, r, what in ((blk.data_t, ref.data, "block"), (tok.data_t, ref1.data, "per-token")):
+            want = flamia.transpose_tokens_reference(r, offs)
+            assert got.shape == want.shape, f"{where}: {what} transposed copy has shape {got.shape}, want {want.shape}"
+            assert_bitwise(got[:, :, valid], want[:, :, valid], f"{where}: {what} transposed copy")
+        assert int(flag) == 0, "finite input set the non-finite flag"
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_triton_quantizer_nonfinite(bad):
+    """One non-finite element sets nonfinite_flag and makes its whole block (that head only) E8M0 NaN
+    (255) with NaN data -- in the Triton quantizer and in the reference alike -- while every other
+    block is bit-identical to the quantization of the clean input. The per-token copy marks just
+    that token."""
+    gen = torch.Generator().manual_seed(7)
+    lens = (33, 70)
+    x = randn(gen, sum(lens), 2, 64)
+    t, h, bt = 33 + 40, 1, 32  # doc 1, position 40: block [33+32, 33+64) of head 1
+    tt = torch.arange(x.shape[0], device=DEVICE)[:, None]
+    blk = (tt >= 65) & (tt < 97) & (torch.arange(2, device=DEVICE)[None, :] == h)  # (T, H): the bad block
+    xb = x.clone()
+    xb[t, h, 17] = bad
+    cu = cu_of(lens)
+    plan = flamia.Plan(cu)
+    flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    clean = flamia.quantize_mxfp8(x, plan, bt, "q", per_token_copy=True, nonfinite_flag=flag)
+    assert int(flag) == 0
+    got = flamia.quantize_mxfp8(xb, plan, bt, "q", per_token_copy=True, nonfinite_flag=flag)
+    assert int(flag) == 1, "non-finite input did not set the flag"
+    ref = flamia.quantize_mxfp8_reference(xb, cu, bt)
+    tok_mask = torch.zeros_like(blk)
+    tok_mask[t, h] = True
+    for name, m, c, mask in (("block", got[0], clean[0], blk), ("per-token", got[1], clean[1], tok_mask),
+                             ("reference", ref, clean[0], blk)):
+        e = m.exp.t()
+        assert (e[mask] == 255).all(), f"{name}: exps of the bad block {e[mask].unique().tolist()}"
+        assert m.data.float()[mask].isnan().all(), f"{name}: bad block data not all NaN"
+        assert_bitwise(e[~mask], c.exp.t()[~mask], f"{name}: exponents outside the bad block")
+        assert_bitwise(m.data[~mask], c.data[~mask], f"{name}: data outside the bad block")
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. NVFP4 reference
+# ---------------------------------------------------------------------------------------------
+def e2m1_by_hand(v: float) -> int:
+    """Independent E2M1 encoder: the nearest grid value, ties to the even code (E2M1's low code bit is
+    the mantissa bit), saturating above 6; bit 3 is the sign."""
+    a = abs(v)
+    if a > 6.0:
+        mag = 7
+    else:
+        mag = min(range(8), key=lambda i: (abs(a - flamia.E2M1_VALUES[i]), i % 2))
+    return mag + 8 * (v < 0)
+
+
+def test_e2m1_encode_ties_and_saturation():
+    """e2m1_encode is RNE at every tie (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4),
+    rounds up just past each tie, saturates at 6 (7, 1e30 and inf -> 6), and agrees with the
+    brute-force encoder on every multiple of 1/32 in [-8, 8]. Exact: codes are integers."""
+    ties = {0.25: 0.0, 0.75: 1.0, 1.25: 1.0, 1.75: 2.0, 2.5: 2.0, 3.5: 4.0, 5.0: 4.0}
+    past = {0.25: 0.5, 0.75: 1.0, 1.25: 1.5, 1.75: 2.0, 2.5: 3.0, 3.5: 4.0, 5.0: 6.0}
+    vals, want = [], []
+    for t, w in ties.items():
+        for sgn in (1.0, -1.0):
+            vals += [sgn * t, sgn * (t + 2.0 ** -10)]
+            want += [sgn * w, sgn * past[t]]
+    for v in (6.0, 6.5, 7.0, 1e30, float("inf")):
+        vals += [v, -v]
+        want += [6.0, -6.0]
+    x = torch.tensor(vals, dtype=torch.float32, device=DEVICE)
+    got = flamia.e2m1_decode(flamia.e2m1_encode(x)).cpu()
+    bad = got != torch.tensor(want)
+    assert not bad.any(), f"x {x.cpu()[bad].tolist()}: got {got[bad].tolist()}, want {torch.tensor(want)[bad].tolist()}"
+    grid = torch.arange(-256, 257, dtype=torch.float32) / 32
+    codes = flamia.e2m1_encode(grid.to(DEVICE)).cpu()
+    by_hand = torch.tensor([e2m1_by_hand(v) for v in grid.tolist()], dtype=torch.uint8)
+    bad = codes != by_hand
+    assert not bad.any(), f"x {grid[bad][:8].tolist()}: codes {codes[bad][:8].tolist()}, want {by_hand[bad][:8].tolist()}"
+
+
+def _e2m1_half_ulp(y):
+    """Half the E2M1 grid spacing at magnitude y: spacing 0.5 below 2, 1 in [2, 4), 2 in [4, 6]."""
+    return torch.where(y < 2, 0.25, torch.where(y < 4, 0.5, 1.0))
+
+
+def test_nvfp4_round_trip_and_packing():
+    """quantize_nvfp4_reference / dequantize_nvfp4.
+    Error bound (derived): the block scale is sb = E4M3(amax_b / (6 s2)) and the element is coded as
+    y = |x| / (sb s2) on the E2M1 grid. E2M1 RNE errs by at most half the local grid spacing, so
+    |deq - x| <= half_ulp(y) * sb * s2. E4M3 rounding of sb (relative <= 2^-4 for a normal sb) can push
+    the block max to y <= 6 / (1 - 2^-4) = 6.4, where saturation at 6 errs by <= 0.4 <= half_ulp(6.4)
+    = 1, so the same bound holds; we also assert y <= 6.4 for normal-sb blocks. A block whose
+    amax_b / (6 s2) is <= 2^-10 (half the smallest E4M3 subnormal) gets sb = 0 and flushes to zero:
+    error <= amax_b <= 6 * 2^-10 * s2. Slack 1e-6 relative for the fp32 products. Also: the token's max element maps to sb = 448, code +-6 and dequantizes to
+    itself; an all-zero block gives exact zeros; packing puts element 2i in the low nibble."""
+    gen = torch.Generator().manual_seed(8)
+    T, H, D = 40, 2, 64
+    x = torch.randn(T, H, D, generator=gen)
+    x *= torch.exp2(torch.randint(-12, 12, (T, H, 1), generator=gen).float())  # per-token magnitudes
+    x *= torch.exp2(torch.randint(-8, 1, (T, H, D // 16, 1), generator=gen).float()).repeat_interleave(16, -2).squeeze(-1)
+    x[3, 0, 16:32] = 0  # an all-zero block
+    x[5, 1, 32:48] *= 2.0 ** -20  # a block whose E4M3 scale underflows to 0
+    for t, h, b, r in ((6, 0, 0, 2.0 ** -16), (7, 1, 3, 2.0 ** -17)):  # blocks whose E4M3 scale is subnormal:
+        blk, rest = x[t, h, 16 * b:16 * b + 16], torch.cat([x[t, h, :16 * b], x[t, h, 16 * b + 16:]])
+        x[t, h, 16 * b:16 * b + 16] = blk / blk.abs().max() * rest.abs().max() * r  # sb ~ 448 r < 2^-6
+    x = x.to(DEVICE)
+    packed, sb, s2 = flamia.quantize_nvfp4_reference(x)
+    assert packed.shape == (T, H, D // 2) and packed.dtype == torch.uint8
+    assert sb.shape == (T, H, D // 16) and sb.dtype == F8 and s2.shape == (T, H)
+    deq = flamia.dequantize_nvfp4(packed, sb, s2)
+    denom = (sb.float() * s2[..., None]).repeat_interleave(16, -1).double()  # (T, H, D) scale of each element
+    xd = x.double()
+    y = xd.abs() / torch.where(denom > 0, denom, 1.0)
+    bound = _e2m1_half_ulp(y.clamp(max=6.0)) * denom + torch.clamp(y - 6.0, min=0) * denom + 1e-6 * xd.abs()
+    s2e = s2[..., None].double().expand_as(xd)
+    bound = torch.where(denom > 0, bound, 6 * 2.0 ** -10 * s2e)  # sb underflowed to 0: everything flushes
+    err = (deq.double() - xd).abs()
+    bad = err > bound
+    assert not bad.any(), f"{int(bad.sum())} elements exceed the E2M1 bound; " + diff_report(deq, x, "nvfp4")
+    normal_sb = (sb.float() >= 2.0 ** -6).repeat_interleave(16, -1)
+    assert (y[normal_sb] <= 6.0 / (1 - 2.0 ** -4)).all(), f"max y {y[normal_sb].max():.4f} > 6.4"
+    assert ((sb.float() > 0) & (sb.float() < 2.0 ** -6)).any() and (sb.float() == 0).any() and normal_sb.float().mean() > 0.9
+    assert torch.equal(deq[3, 0, 16:32], torch.zeros(16, device=DEVICE))
+    # The per-token second level: the token's largest element is coded +-6 with sb = 448 and comes back.
+    arg = xd.abs().argmax(-1)  # (T, H)
+    assert (sb.float().gather(-1, arg[..., None] // 16) == 448).all()
+    xm, dm = xd.gather(-1, arg[..., None]), deq.double().gather(-1, arg[..., None])
+    assert ((dm - xm).abs() <= 1e-6 * xm.abs()).all(), diff_report(dm, xm, "token max")
+    # Packing: two codes per byte, element 2i in the low nibble; codes are the by-hand E2M1 of x/denom.
+    codes = torch.stack([packed & 15, packed >> 4], -1).view(T, H, D).cpu()
+    yy = (xd / torch.where(denom > 0, denom, 1.0)).cpu()
+    sample = torch.randperm(T * H * D, generator=gen)[:3000]
+    by_hand = torch.tensor([e2m1_by_hand(v) for v in yy.flatten()[sample].tolist()], dtype=torch.uint8)
+    got = codes.flatten()[sample]
+    # x/denom may sit within one fp32 rounding of a tie; allow only code neighbours there (none expected).
+    assert (got == by_hand).float().mean() == 1.0, f"{int((got != by_hand).sum())} codes differ from the by-hand encoder"
+    xt = torch.zeros(1, 1, 64, device=DEVICE)
+    xt[0, 0, :4] = torch.tensor([2688.0, -224.0, 1344.0, 672.0])  # s2 = 1, block scale 448: codes 7, 9, 5, 3
+    p, b, s = flamia.quantize_nvfp4_reference(xt)
+    assert float(s[0, 0]) == 1.0 and float(b[0, 0, 0].float()) == 448.0
+    assert p[0, 0, :2].tolist() == [0x97, 0x35], f"packed bytes {[hex(v) for v in p[0, 0, :2].tolist()]}"
+
+
+def test_nvfp4_per_token_second_level_scale():
+    """The second-level scale is per (token, head), not a per-tensor statistic: replacing one token by
+    a 1000x outlier changes that token's s2 and codes but no byte/scale of any other token."""
+    gen = torch.Generator().manual_seed(9)
+    x = randn(gen, 24, 2, 64, dtype=torch.float32)
+    base = flamia.quantize_nvfp4_reference(x)
+    for t in (0, 11, 23):
+        x2 = x.clone()
+        x2[t] = x2[t] * 1000.0 + randn(gen, 2, 64, dtype=torch.float32) * 3000.0
+        pert = flamia.quantize_nvfp4_reference(x2)
+        other = torch.arange(24, device=DEVICE) != t
+        for name, a, b in zip(("packed", "block scales", "s2"), base, pert):
+            assert_bitwise(as_bytes(a[other]), as_bytes(b[other]), f"token {t} perturbed: {name} of other tokens")
+        assert (pert[2][t] != base[2][t]).all(), "the outlier did not change its own token's s2"
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. The Plan
+# ---------------------------------------------------------------------------------------------
+T_ = flamia  # column indices live in flamia: TILE_START ... OWN_PAD
+
+
+def _pads(offs):
+    out, p = [], 0
+    for a, b in zip(offs, offs[1:]):
+        out.append(p)
+        p += -(-(b - a) // 16) * 16
+    return out
+
+
+def _check_table(table, block, own, other, own_pad, other_pad):
+    """Rows are `block`-token tiles of one `own` document, aligned to its start, with the matching
+    `other` document and both 16-aligned padded starts. Returns per-token coverage counts."""
+    cover = torch.zeros(own[-1], dtype=torch.int32)
+    for row in table.cpu().tolist():
+        s, e, o0, o1, t0, t1, opad, wpad = row
+        d = next(i for i in range(len(own) - 1) if own[i] == o0 and own[i + 1] == o1 and own[i] < own[i + 1])
+        assert (s - o0) % block == 0 and e == min(s + block, o1) and o0 <= s < e <= o1, f"bad tile {row}"
+        assert (t0, t1) == (other[d], other[d + 1]) and opad == other_pad[d] and wpad == own_pad[d], f"bad tile {row}"
+        cover[s:e] += 1
+    return cover
+
+
+@pytest.mark.parametrize("lens_q,lens_k", [((0, 1, 31, 32, 33, 150, 0, 257), None),
+                                           ((5, 0, 200, 64), (70, 3, 0, 129))], ids=["self", "cross"])
+def test_plan_tiles_cover_every_token(lens_q, lens_k):
+    """skip_masked=False tables (the quantizer's) cover every token of every document exactly once, with
+    document-aligned tiles; for self-attention the causal tables (skip_masked=True) skip nothing either,
+    since every query sees itself and every key is seen by itself."""
+    lens_k = lens_q if lens_k is None else lens_k
+    oq, ok = offsets_of(lens_q), offsets_of(lens_k)
+    plan = flamia.Plan(cu_of(lens_q), cu_of(lens_k))
+    assert (plan.pad_q[:-1], plan.pad_k[:-1]) == (_pads(oq), _pads(ok))
+    for block in (32, 64, 128):
+        for side, own, other, pw, po in (("q", oq, ok, _pads(oq), _pads(ok)), ("k", ok, oq, _pads(ok), _pads(oq))):
+            for causal in (True, False):
+                cover = _check_table(plan.tiles(block, side, causal, skip_masked=False), block, own, other, pw, po)
+                assert (cover == 1).all(), f"{side} block {block}: coverage {cover.unique().tolist()}"
+                if lens_k == lens_q:
+                    cover = _check_table(plan.tiles(block, side, causal), block, own, other, pw, po)
+                    assert (cover == 1).all(), f"causal={causal} {side}-table skips tokens of a self-attention batch"
+
+
+def test_plan_skips_exactly_the_fully_masked_tiles():
+    """Bottom-right causal cross attention with Lq > Lk: query rows at positions < Lq - Lk see no key.
+    The causal q table drops exactly the tiles none of whose rows sees a key (by hand), and the k table
+    drops exactly the key tiles no query sees (here: none); rows_without_keys is set."""
+    lens_q, lens_k = (200, 10, 40), (50, 250, 0)
+    oq, ok = offsets_of(lens_q), offsets_of(lens_k)
+    plan = flamia.Plan(cu_of(lens_q), cu_of(lens_k))
+    assert plan.rows_without_keys[True] and plan.rows_without_keys[False]
+    for block in (64, 128):
+        kept = {tuple(r[:2]) for r in plan.tiles(block, "q", True).cpu().tolist()}
+        want = set()
+        for d, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+            for s in range(0, lq, block):
+                last = min(s + block, lq) - 1
+                if min(lk, last + (lk - lq) + 1) > 0:  # keys visible to the tile's last row
+                    want.add((oq[d] + s, oq[d] + min(s + block, lq)))
+        assert kept == want, f"block {block}: kept {sorted(kept - want)} extra, {sorted(want - kept)} missing"
+        kept_k = {tuple(r[:2]) for r in plan.tiles(block, "k", True).cpu().tolist()}
+        want_k = {(ok[d] + s, ok[d] + min(s + block, lk)) for d, lk in enumerate(lens_k) for s in range(0, lk, block)
+                  if lens_q[d] - 1 + (lk - lens_q[d]) >= s}
+        assert kept_k == want_k, (f"block {block}: the causal k table drops key tiles that queries do see: "
+                                  f"{sorted(want_k - kept_k)} (kept {sorted(kept_k)})")
+
+
+def _tile_cost(row, side, causal):
+    """By hand: keys seen by a query tile's last row (q side) / queries that see a key tile's first key."""
+    s, e, o0, o1, t0, t1 = row[:6]
+    lo, lt = o1 - o0, t1 - t0
+    if not causal:
+        return lt
+    if side == "q":
+        return min(lt, max(0, (e - 1 - o0) + (lt - lo) + 1))
+    return max(0, min(lt, lt - (s - o0 - (lo - lt))))
+
+
+@pytest.mark.parametrize("lens_k", [None, (40, 300, 0, 64, 9, 100, 1, 333)], ids=["self", "cross"])
+def test_plan_lpt_order(lens_k):
+    """Work items are sorted heaviest first (longest-processing-time order): costs, recomputed by hand
+    from each row (keys seen by a query tile's last row; queries that see a key tile's first key, with
+    bottom-right causal alignment), are non-increasing down every table, both sides, causal or not."""
+    lens = (300, 5, 129, 64, 0, 257, 1, 33)
+    plan = flamia.Plan(cu_of(lens), None if lens_k is None else cu_of(lens_k))
+    for block in (64, 128):
+        for side in ("q", "k"):
+            for causal in (True, False):
+                costs = [_tile_cost(r, side, causal) for r in plan.tiles(block, side, causal).cpu().tolist()]
+                assert all(a >= b for a, b in zip(costs, costs[1:])), \
+                    f"{side} block {block} causal={causal}: costs not non-increasing: {costs}"
+                assert costs[0] > costs[-1], "the layout should have distinct costs"
+
+
+BAD_CU = [
+    ("q_int64", lambda good: (good.long(), None), TypeError, "cu_seqlens_q"),
+    ("q_float", lambda good: (good.float(), None), TypeError, "cu_seqlens_q"),
+    ("q_list", lambda good: (good.tolist(), None), TypeError, "cu_seqlens_q"),
+    ("q_not_from_0", lambda good: (good + 1, None), ValueError, "cu_seqlens_q"),
+    ("q_decreasing", lambda good: (torch.tensor([0, 40, 30, 73], dtype=torch.int32, device=DEVICE), None),
+     ValueError, "cu_seqlens_q"),
+    ("q_2d", lambda good: (good[None, :], None), ValueError, "cu_seqlens_q"),
+    ("q_too_short", lambda good: (good[:1], None), ValueError, "cu_seqlens_q"),
+    ("k_int64", lambda good: (good, good.long()), TypeError, "cu_seqlens_k"),
+    ("k_not_from_0", lambda good: (good, good + 2), ValueError, "cu_seqlens_k"),
+    ("k_decreasing", lambda good: (good, good.flip(0)), ValueError, "cu_seqlens_k"),
+    ("k_doc_count", lambda good: (good, good[:-1]), ValueError, "cu_seqlens_k"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_CU, ids=[c[0] for c in BAD_CU])
+def test_plan_rejects_bad_cu_seqlens(case):
+    """Malformed cu_seqlens raise TypeError (wrong type/dtype) or ValueError (wrong shape or content)
+    with a message naming the offending argument."""
+    _, make, exc, name = case
+    good = cu_of((33, 40))
+    with pytest.raises(exc, match=name):
+        flamia.Plan(*make(good))
+
+
+@pytest.mark.parametrize("which", ["q", "k"])
+def test_plan_rejects_cu_seqlens_not_ending_at_total(which):
+    """Given the token count, a cu_seqlens that does not end at it is a ValueError naming the argument."""
+    good = cu_of((33, 40))
+    with pytest.raises(ValueError, match=f"cu_seqlens_{which}"):
+        flamia.Plan(good, good, **{f"total_{which}": 74})
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Forward kernel vs the oracle of the same recipe
+# ---------------------------------------------------------------------------------------------
+# Tolerances. LSE depends only on S, which the kernel computes from exactly the oracle's quantized
+# operands (fp32 accumulation either way): |dLSE| <= 1e-4 (measured <= 1e-6). O: the kernel also
+# rounds P (to E4M3 for mxfp8, inside the P V MMA; to bf16 for the bf16 recipe) and its output to
+# bf16, which the oracle doesn't: rel L2 <= 3e-2 for mxfp8 (measured 1.5-2.5%), <= 5e-3 for bf16
+# (measured ~2e-3). Against exact fp64 attention the kernel must be within 1.3x the oracle's own
+# error (the oracle's output rounded to the input dtype, as the API returns it) + 1e-3.
+O_TOL = {"mxfp8": 3e-2, "bf16": 5e-3}
+LSE_TOL = 1e-4
+
+
+def _check_forward(o, lse, ro, rlse, f64, recipe, what):
+    fin = rlse.isfinite()
+    assert torch.equal(lse.isfinite(), fin), f"{what}: LSE finite pattern differs"
+    dl = (lse - rlse)[fin].abs()
+    assert dl.max() <= LSE_TOL, f"{what}: LSE max |diff| {dl.max():.3e} mean {dl.mean():.3e} > {LSE_TOL}"
+    err_o = assert_rel(o, ro, O_TOL[recipe], f"{what}: O vs oracle")
+    err_k, err_r = rel_l2(o, f64), rel_l2(ro.to(o.dtype), f64)
+    assert err_k <= 1.3 * err_r + 1e-3, f"{what}: kernel vs fp64 {err_k:.4e} > 1.3 x oracle vs fp64 {err_r:.4e} + 1e-3"
+    return err_o, err_k, err_r
+
+
+FWD_CASES = [  # recipe, block_tokens, causal, head_dim
+    ("bf16", 1, True, 64), ("bf16", 1, False, 64),
+    ("mxfp8", 1, True, 64), ("mxfp8", 1, False, 64),
+    ("mxfp8", 32, True, 64), ("mxfp8", 32, False, 64),
+    ("mxfp8", 32, True, 128),
+]
+
+
+@pytest.mark.parametrize("recipe,bt,causal,D", FWD_CASES, ids=[f"{r}-bt{b}-{'causal' if c else 'full'}-d{d}"
+                                                                for r, b, c, d in FWD_CASES])
+def test_forward_matches_oracle(recipe, bt, causal, D):
+    """flamia_attn_varlen_func(return_lse=True) == reference_attention(return_lse=True) of the same
+    recipe (GQA 4 q heads / 2 kv heads, documents of length 0, 1, 31, 32, 33, 150, safeguard on), within
+    the tolerances above; see the comment block for where they come from."""
+    q, k, v = qkv(10 + D + bt + causal, sum(LENS_FWD), D=D)
+    kw = dict(causal=causal, recipe=recipe, block_tokens=bt, return_lse=True)
+    o, lse = api(q, k, v, LENS_FWD, **kw)
+    ro, rlse = flamia.reference_attention(q, k, v, cu_of(LENS_FWD), **kw)
+    f64 = flamia.attention_fp64(q, k, v, cu_of(LENS_FWD), causal=causal)
+    assert o.dtype == q.dtype and o.shape == q.shape and lse.shape == (4, q.shape[0])
+    _check_forward(o, lse, ro, rlse, f64, recipe, f"{recipe} bt={bt} causal={causal} D={D}")
+
+
+def test_forward_cross_attention_bottom_right():
+    """seqlen_q != seqlen_k per document, causal, bottom-right aligned (as flash-attn), mxfp8 with
+    32-token blocks and the safeguard, custom softmax_scale: matches the oracle (same tolerances).
+    Query rows that see no key (Lq > Lk, or an empty key document) give O = 0 and LSE = -inf exactly."""
+    lens_q, lens_k = (200, 10, 40, 0, 33), (50, 250, 0, 7, 64)
+    q, k, v = qkv(11, sum(lens_q), Tk=sum(lens_k))
+    kw = dict(causal=True, recipe="mxfp8", block_tokens=32, return_lse=True, softmax_scale=0.1)
+    o, lse = api(q, k, v, lens_q, lens_k, **kw)
+    ro, rlse = flamia.reference_attention(q, k, v, cu_of(lens_q), cu_of(lens_k), **kw)
+    f64 = flamia.attention_fp64(q, k, v, cu_of(lens_q), cu_of(lens_k), softmax_scale=0.1)
+    empty = ~rlse.isfinite()  # (H, Tq)
+    assert empty.sum() == 4 * (150 + 40), "the layout should have 150 + 40 rows without keys per head"
+    assert (lse[empty] == float("-inf")).all() and (o.transpose(0, 1)[empty] == 0).all()
+    _check_forward(o, lse, ro, rlse, f64, "mxfp8", "cross attention")
+
+
+def test_forward_safeguard_numerics():
+    """A layout where the safeguard matters numerically: in each document's first 32-token block the
+    first 16 keys are 2^-16 smaller than the next 16 (and the first 16 queries 2^16 larger, so their
+    logits stay O(1)). Those early rows only see the tiny keys; the block scale (set by the later large
+    keys) would flush them, the per-token copy keeps them. The kernel matches the oracle WITH the
+    safeguard (LSE <= 1e-4, O <= 3e-2) while the oracle WITHOUT it is far off (LSE > 1e-2): this proves
+    the kernel takes the per-token copies on the diagonal, for both 32- and 128-token blocks."""
+    lens = (33, 40, 31, 64)
+    offs = offsets_of(lens)
+    for bt in (32, 128):
+        q, k, v = qkv(12 + bt, offs[-1], H=2, HK=2)
+        for a in offs[:-1]:
+            k[a:a + 16] *= 2.0 ** -16
+            v[a:a + 16] *= 2.0 ** -16
+            q[a:a + 16] *= 2.0 ** 16
+        kw = dict(causal=True, recipe="mxfp8", block_tokens=bt, return_lse=True)
+        o, lse = api(q, k, v, lens, **kw)
+        ro, rlse = flamia.reference_attention(q, k, v, cu_of(lens), **kw)
+        uo, ulse = flamia.reference_attention(q, k, v, cu_of(lens), **kw, safeguard=False)
+        f64 = flamia.attention_fp64(q, k, v, cu_of(lens))
+        early = torch.zeros(offs[-1], dtype=torch.bool, device=DEVICE)
+        for a in offs[:-1]:
+            early[a:a + 16] = True
+        _check_forward(o[early], lse[:, early], ro[early], rlse[:, early], f64[early], "mxfp8", f"bt={bt} early rows")
+        _check_forward(o, lse, ro, rlse, f64, "mxfp8", f"bt={bt} all rows")
+        gap = (lse - ulse).abs().max()
+        assert gap > 1e-2, f"bt={bt}: the unsafe oracle is only {gap:.2e} away: this layout has no teeth"
+
+
+def test_forward_dot_scaled_backend():
+    """backend="dot_scaled" (E8M0 scales inside tl.dot_scaled; runs in the interpreter with triton 3.9)
+    computes the same function as the default wgmma path: S differs only in summation order, so LSE
+    agrees to 1e-5 and O to rel L2 1e-3 (a P element may flip one E4M3 rounding); vs the oracle it
+    meets the usual mxfp8 tolerances."""
+    q, k, v = qkv(13, sum(LENS_FWD))
+    kw = dict(causal=True, recipe="mxfp8", block_tokens=32, return_lse=True)
+    o, lse = api(q, k, v, LENS_FWD, backend="dot_scaled", **kw)
+    ow, lsew = api(q, k, v, LENS_FWD, backend="wgmma", **kw)
+    dl = (lse - lsew)[lsew.isfinite()].abs()
+    assert dl.max() <= 1e-5, f"LSE dot_scaled vs wgmma: max {dl.max():.3e} mean {dl.mean():.3e}"
+    assert_rel(o, ow, 1e-3, "O dot_scaled vs wgmma")
+    ro, rlse = flamia.reference_attention(q, k, v, cu_of(LENS_FWD), **kw)
+    _check_forward(o, lse, ro, rlse, flamia.attention_fp64(q, k, v, cu_of(LENS_FWD)), "mxfp8", "dot_scaled")
