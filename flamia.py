@@ -679,14 +679,16 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, q, qscale, q_e8, sm_scale_log2, start_n
     # the aligned local offset keeps V^T loads provably 16-byte aligned (vectorized)
     v_ptrs = hk * stride_vh + offs_d[None, :] * stride_vd + (v_base + start_n + tl.arange(0, BLOCK_N))[:, None] * stride_vt
     k, kscale = _load_qk(K, KSB, EK, offs_n, hk, HK, T_K, kmask, BLOCK_N, D, QUANT, QK_FP4)
+    # s holds QK^T with the column (key) scales applied; the row factor qscale (Q's scale * softmax
+    # scale * log2 e) is applied inside the exp2's FMA below, and the row max is taken before it:
+    # qscale > 0, so max_j(s * qscale) = qscale * max_j(s) exactly (rounding is monotonic).
     if DOT_SCALED:  # Blackwell: E8M0 scales applied by the tensor core, 32 head-dim elements each
         ek8 = tl.load(EK + hk * T_K + offs_n, mask=kmask, other=127)
         s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), tl.broadcast_to(ek8[:, None], (BLOCK_N, D // 32)), "e4m3")
-        s = s * sm_scale_log2
     elif QUANT:
-        s = tl.dot(q, tl.trans(k)) * kscale[None, :] * qscale[:, None]
+        s = tl.dot(q, tl.trans(k)) * kscale[None, :]
     else:
-        s = tl.dot(q, tl.trans(k)) * qscale[:, None]
+        s = tl.dot(q, tl.trans(k))
     if MASKED:
         pos_q = offs_m - qd_start + shift  # each row's position on the key axis
         pos_k = offs_n - kd_start
@@ -700,15 +702,14 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, q, qscale, q_e8, sm_scale_log2, start_n
                 if DOT_SCALED:
                     eks8 = tl.load(EKS + hk * T_K + offs_n, mask=kmask, other=127)
                     s_tok = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(ks), tl.broadcast_to(
-                        eks8[:, None], (BLOCK_N, D // 32)), "e4m3") * sm_scale_log2
+                        eks8[:, None], (BLOCK_N, D // 32)), "e4m3")
                 else:
-                    s_tok = tl.dot(q, tl.trans(ks)) * kscale_s[None, :] * qscale[:, None]
+                    s_tok = tl.dot(q, tl.trans(ks)) * kscale_s[None, :]
                 s = tl.where(same, s_tok, s)
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qscale)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * tl.exp2(m_i - m_use) + tl.sum(p, 1)
+    alpha = tl.exp2(m_i - m_use)
     if QUANT:
         ev = tl.load(EV + hk * T_K + offs_n, mask=kmask, other=1).to(tl.int32) - 127
         if MASKED:
@@ -719,25 +720,30 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, q, qscale, q_e8, sm_scale_log2, start_n
             ref_new = tl.maximum(ref_i, tl.max(ev2, 1))
         else:
             ref_new = tl.maximum(ref_i, tl.max(ev, 0))
+        # p_r = p * 2^(8 - ref): the row part of V's folded scale rides in the exp2's offset for free;
+        # the softmax sum takes it back out per row. (p_r can only underflow where p < 2^(ref - 134),
+        # i.e. never unless |V| reaches ~2^100.)
+        p_r = tl.exp2(s * qscale[:, None] - (m_use + (ref_new - 8).to(tl.float32))[:, None])
+        l_i = l_i * alpha + tl.sum(p_r, 1) * _exp2_int(ref_new + 119)  # 2^(ref - 8)
         # one exp2 per row rescales for both the new softmax max and the new reference exponent
         acc = acc * tl.exp2((m_i - m_use) + (ref_i - ref_new).to(tl.float32))[:, None]
-        rowfac = _exp2_int(135 - ref_new)  # 2^(8 - ref_i): p~ <= 2^8
-        pr = p * rowfac[:, None]
         if MASKED:
             v = tl.load(V + v_ptrs, mask=kmask[:, None], other=0.0)
         else:
             v = tl.load(V + v_ptrs)
         if SAFEGUARD:
-            p8 = tl.where(same, 0.0, pr * _exp2_int(ev + 127)[None, :]).to(tl.float8e4nv)
+            p8 = tl.where(same, 0.0, p_r * _exp2_int(ev + 127)[None, :]).to(tl.float8e4nv)
             acc = tl.dot(p8, v, acc)
             vs = tl.load(VS + v_ptrs, mask=kmask[:, None], other=0.0)
-            p8 = tl.where(same, pr * _exp2_int(evs + 127)[None, :], 0.0).to(tl.float8e4nv)
+            p8 = tl.where(same, p_r * _exp2_int(evs + 127)[None, :], 0.0).to(tl.float8e4nv)
             acc = tl.dot(p8, vs, acc)
-        else:
-            acc = tl.dot((pr * _exp2_int(ev + 127)[None, :]).to(tl.float8e4nv), v, acc)
+        else:  # p~ = p * 2^(ev - ref + 8) <= 2^8: inside E4M3's range, no saturation
+            acc = tl.dot((p_r * _exp2_int(ev + 127)[None, :]).to(tl.float8e4nv), v, acc)
         ref_i = ref_new
     else:
-        acc = acc * tl.exp2(m_i - m_use)[:, None]
+        p = tl.exp2(s * qscale[:, None] - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
         if MASKED:
             v = tl.load(V + v_ptrs, mask=kmask[:, None], other=0.0)
         else:
@@ -769,10 +775,11 @@ def _attn_fwd(
     offs_d = tl.arange(0, D)
     qmask = offs_m < q_end
     q, qscale = _load_qk(Q, QSB, EQ, offs_m, h, H, T_Q, qmask, BLOCK_M, D, QUANT, QK_FP4)
-    qscale = qscale * sm_scale_log2
+    qscale = qscale * sm_scale_log2  # the row factor of S, log2 domain
     q_e8 = q  # unused unless DOT_SCALED
-    if DOT_SCALED:
+    if DOT_SCALED:  # the tensor core applies Q's scale; the row factor is the softmax scale alone
         q_e8 = tl.broadcast_to(tl.load(EQ + h * T_Q + offs_m, mask=qmask, other=127)[:, None], (BLOCK_M, D // 32))
+        qscale = tl.full((BLOCK_M,), sm_scale_log2, tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     ref_i = tl.full((BLOCK_M,), -100, tl.int32)  # V reference exponent; >= -100 keeps 2^(8 - ref) finite
@@ -898,12 +905,15 @@ def _attn_bwd_dkdv_step(dk, dv, k, v, ks, vs, kscale, vscale, kscale_s, vscale_s
     lse2 = tl.load(LSE + hq * T_Q + offs_m, mask=qmask, other=0.0) * 1.4426950408889634  # log2(e)
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # rows without keys: P = 0
     delta = tl.load(DELTA + hq * T_Q + offs_m, mask=qmask, other=0.0)
+    # Row (key) scales are applied to the MMA results; column (query) factors ride in the FMAs below.
+    qsl = qs * sm_scale_log2  # Q's scale * softmax scale * log2(e)
+    dos = qs  # dO's per-query scale (1 for bf16)
     if QUANT:
         dos = _exp2_int(tl.load(EDO + hq * T_Q + offs_m, mask=qmask, other=127).to(tl.int32))
-        st = tl.dot(k, tl.trans(q)) * kscale[:, None] * (qs * sm_scale_log2)[None, :]  # S^T, log2 domain
-        dpt = tl.dot(v, tl.trans(do)) * vscale[:, None] * dos[None, :]
+        st = tl.dot(k, tl.trans(q)) * kscale[:, None]  # S^T without the column factor
+        dpt = tl.dot(v, tl.trans(do)) * vscale[:, None]
     else:
-        st = tl.dot(k, tl.trans(q)) * sm_scale_log2
+        st = tl.dot(k, tl.trans(q))
         dpt = tl.dot(v, tl.trans(do))
     if MASKED:
         pos_q = offs_m - qd_start + shift
@@ -913,11 +923,14 @@ def _attn_bwd_dkdv_step(dk, dv, k, v, ks, vs, kscale, vscale, kscale_s, vscale_s
             visible = visible & (pos_k[:, None] <= pos_q[None, :])
         if SAFEGUARD:  # the forward's per-token K, V on pairs whose key block straddles the query
             same = visible & ((pos_k // BLOCK_TOKENS)[:, None] == (pos_q // BLOCK_TOKENS)[None, :])
-            st = tl.where(same, tl.dot(ks, tl.trans(q)) * kscale_s[:, None] * (qs * sm_scale_log2)[None, :], st)
-            dpt = tl.where(same, tl.dot(vs, tl.trans(do)) * vscale_s[:, None] * dos[None, :], dpt)
+            st = tl.where(same, tl.dot(ks, tl.trans(q)) * kscale_s[:, None], st)
+            dpt = tl.where(same, tl.dot(vs, tl.trans(do)) * vscale_s[:, None], dpt)
         st = tl.where(visible, st, float("-inf"))
-    pt = tl.exp2(st - lse2[None, :])
-    dst = pt * (dpt - delta[None, :])
+    pt = tl.exp2(st * qsl[None, :] - lse2[None, :])
+    if QUANT:
+        dst = pt * (dpt * dos[None, :] - delta[None, :])
+    else:
+        dst = pt * (dpt - delta[None, :])
     if QUANT:
         dv = tl.dot((pt * dos[None, :]).to(tl.bfloat16), do.to(tl.bfloat16), dv)
         dk = tl.dot((dst * qs[None, :]).to(tl.bfloat16), q.to(tl.bfloat16), dk)
@@ -1008,12 +1021,12 @@ def _attn_bwd_dq_step(dq, q, do, qscale_log2, doscale, lse2, delta, start_n, off
     ptrs = (offs_n[:, None] * HK + hk) * D + offs_d[None, :]
     k, kscale = _load_qk(K, KSB, EK, offs_n, hk, HK, T_K, kmask, BLOCK_N, D, QUANT, QK_FP4)
     v = tl.load(V + ptrs, mask=kmask[:, None], other=0.0)
-    if QUANT:
+    if QUANT:  # column (key) scales on the MMA results; row factors ride in the FMAs below
         vscale = _exp2_int(tl.load(EV + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32))
-        s = tl.dot(q, tl.trans(k)) * kscale[None, :] * qscale_log2[:, None]
-        dp = tl.dot(do, tl.trans(v)) * vscale[None, :] * doscale[:, None]
+        s = tl.dot(q, tl.trans(k)) * kscale[None, :]
+        dp = tl.dot(do, tl.trans(v)) * vscale[None, :]
     else:
-        s = tl.dot(q, tl.trans(k)) * qscale_log2[:, None]
+        s = tl.dot(q, tl.trans(k))
         dp = tl.dot(do, tl.trans(v))
     if MASKED:
         pos_q = offs_m - qd_start + shift
@@ -1026,13 +1039,16 @@ def _attn_bwd_dq_step(dq, q, do, qscale_log2, doscale, lse2, delta, start_n, off
             ks, kscale_s = k, kscale
             if not QK_FP4:  # NVFP4 K is per token already
                 ks, kscale_s = _load_qk(KS, KSB, EKS, offs_n, hk, HK, T_K, kmask, BLOCK_N, D, QUANT, QK_FP4)
-                s = tl.where(same, tl.dot(q, tl.trans(ks)) * kscale_s[None, :] * qscale_log2[:, None], s)
+                s = tl.where(same, tl.dot(q, tl.trans(ks)) * kscale_s[None, :], s)
             vs = tl.load(VS + ptrs, mask=kmask[:, None], other=0.0)
             vscale_s = _exp2_int(tl.load(EVS + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32))
-            dp = tl.where(same, tl.dot(do, tl.trans(vs)) * vscale_s[None, :] * doscale[:, None], dp)
+            dp = tl.where(same, tl.dot(do, tl.trans(vs)) * vscale_s[None, :], dp)
         s = tl.where(visible, s, float("-inf"))
-    p = tl.exp2(s - lse2[:, None])
-    ds = p * (dp - delta[:, None])
+    p = tl.exp2(s * qscale_log2[:, None] - lse2[:, None])
+    if QUANT:
+        ds = p * (dp * doscale[:, None] - delta[:, None])
+    else:
+        ds = p * (dp - delta[:, None])
     if QUANT:
         if SAFEGUARD:
             dq = tl.dot(tl.where(same, 0.0, ds * kscale[None, :]).to(tl.bfloat16), k.to(tl.bfloat16), dq)

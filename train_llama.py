@@ -403,12 +403,6 @@ class Llama(nn.Module):
         return F.cross_entropy(self.head(self.hidden(b)).float(), b.targets, ignore_index=-100)
 
 
-def matmul_params(model: Llama) -> int:
-    """Weights used in matmuls (every 2-D weight, the tied head counted once): 6 FLOPs/token each."""
-    return sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n) + \
-        model.embed.weight.numel()
-
-
 def train_flops(cfg: Config, n_matmul: int, b: Batch) -> float:
     """Model FLOPs of one training step: 6 N per real token, plus causal attention per document:
     QK^T and PV are 2 * 2 * H * D FLOPs per visible (query, key) pair, L (L + 1) / 2 pairs for a
@@ -427,31 +421,35 @@ def train_flops(cfg: Config, n_matmul: int, b: Batch) -> float:
 # attention let the future in (e.g. a K/V scale shared with later tokens). Many prefixes go into
 # one packed call as separate documents, which is exactly what varlen attention is for.
 # ---------------------------------------------------------------------------------------------
+def packed(seqs, budget, max_len, device):
+    """Greedy: consecutive token sequences -> packed batches (each sequence its own document)."""
+    i = 0
+    while i < len(seqs):
+        j, used = i, 0
+        while j < len(seqs) and used + len(seqs[j]) <= budget:
+            used, j = used + len(seqs[j]), j + 1
+        ends = np.cumsum([len(s) for s in seqs[i:j]])
+        yield i, j, to_device(make_batch(Corpus(np.concatenate(seqs[i:j]), np.r_[0, ends[:-1]], ends), range(j - i),
+                                         budget, max_len), device)
+        i = j
+
+
 @torch.no_grad()
 def leak_probe(model, cfg, val: Corpus, device, ctx):
-    """-> (teacher-forced loss, autoregressive loss), nats/token, over the same (position, target) pairs."""
+    """-> (teacher-forced loss, autoregressive loss) in nats/token, over the same (position, target) pairs."""
     L, budget = min(cfg.leak_len, cfg.max_doc_len), cfg.tokens_per_batch
-    docs = [d for d in range(len(val)) if val.ends[d] - val.starts[d] >= 2][:cfg.leak_docs]
-    seqs = [np.asarray(val.tokens[val.starts[d]:min(val.ends[d], val.starts[d] + L)], np.int64) for d in docs]
-    n = sum(len(s) - 1 for s in seqs)
-    tf = 0.0  # teacher forced: each truncated document in one pass
-    for s in seqs:
+    docs = [np.asarray(val.tokens[a:min(b, a + L)], np.int64) for a, b in zip(val.starts, val.ends) if b - a >= 2]
+    docs = docs[:cfg.leak_docs]
+    n, tf, ar = sum(len(d) - 1 for d in docs), 0.0, 0.0
+    for _, _, b in packed(docs, budget, L, device):  # teacher forced: whole documents, one pass
         with ctx:
-            tf += model(to_device(make_batch(Corpus(s, [0], [len(s)]), [0], budget, L), device)).item() * (len(s) - 1)
-    # autoregressive: prefix s[:p+1] (predicting s[p+1]) as its own document, many per packed call
-    prefixes, ar = [(s, p) for s in seqs for p in range(len(s) - 1)], 0.0
-    while prefixes:
-        group, used = [], 0
-        while prefixes and used + prefixes[0][1] + 1 <= budget:
-            group.append(prefixes.pop(0))
-            used += group[-1][1] + 1
-        ends = np.cumsum([p + 1 for _, p in group])
-        flat = Corpus(np.concatenate([s[:p + 1] for s, p in group]), ends - [p + 1 for _, p in group], ends)
-        b = to_device(make_batch(flat, range(len(group)), budget, L), device)
-        with ctx:
-            logits = model.head(model.hidden(b)[b.cu[1:len(group) + 1].long() - 1]).float()  # last tokens
-        target = torch.tensor([s[p + 1] for s, p in group], device=device)
-        ar += F.cross_entropy(logits, target, reduction="sum").item()
+            tf += model(b).item() * (b.targets != -100).sum().item()
+    prefixes = [d[:p + 1] for d in docs for p in range(len(d) - 1)]  # predicts d[p + 1] from d[:p + 1] alone
+    targets = torch.tensor([d[p + 1] for d in docs for p in range(len(d) - 1)], device=device)
+    for i, j, b in packed(prefixes, budget, L, device):
+        with ctx:  # the prediction of each prefix is the logit row of its last token
+            logits = model.head(model.hidden(b)[b.cu[1:j - i + 1].long() - 1]).float()
+        ar += F.cross_entropy(logits, targets[i:j], reduction="sum").item()
     return tf / n, ar / n
 
 
@@ -506,6 +504,8 @@ def train(cfg: Config) -> dict:
         + (torch.cuda.get_device_name(device) if cuda else "no GPU -- running on the CPU (tiny config; attention "
            "through flamia's PyTorch oracle, the same function the kernels compute)")
         + (f"; {world} ranks" if world > 1 else ""))
+    if not cuda and kernels_run(device):
+        log("note: TRITON_INTERPRET=1 -- the kernels run in Triton's interpreter (exact, but ~100x slower)")
     if cfg.unsafe_leaky_attention:
         log("!" * 100 + "\n!!! WARNING: --unsafe_leaky_attention: mxfp8 with 32-token K/V scale blocks and NO causal "
             "safeguard.\n!!! Attention LEAKS FUTURE TOKENS through shared scales. For the leak demo only.\n" + "!" * 100)
@@ -522,7 +522,7 @@ def train(cfg: Config) -> dict:
 
     torch.manual_seed(cfg.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
     model = Llama(cfg).to(device)
-    n_matmul = matmul_params(model)
+    n_matmul = sum(p.numel() for p in model.parameters() if p.dim() == 2)  # 6 FLOPs/token each (tied head once)
     log(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, attention {cfg.attn}, "
         f"global batch {cfg.tokens_per_batch * world:,} tokens")
     # Weight decay on matmul weights only: decaying norm gains pulls them toward 0, not toward "simple".
@@ -549,7 +549,7 @@ def train(cfg: Config) -> dict:
         step = ck["step"]
         if os.path.isfile(csv_path):  # keep only rows up to the checkpoint: later ones are redone
             with open(csv_path) as fh:
-                rows = [r for r in csv.DictReader(fh) if int(r["step"]) < step]
+                rows = [r for r in csv.DictReader(fh) if int(r["step"]) <= step]
         log(f"resumed from {ckpt_path} at step {step}")
     raw = model
     if cfg.compile:
@@ -589,10 +589,14 @@ def train(cfg: Config) -> dict:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loss_v = loss.item()  # also a sync, so dt below is real time
+        stats = torch.stack([loss.detach().float(), torch.tensor(float(b.n_real), device=device)])
+        if world > 1:  # report the mean loss over ranks and the tokens of all ranks
+            dist.all_reduce(stats)
+            stats[0] /= world
+        loss_v, n_tok = stats.tolist()  # also a sync, so dt below is real time
         dt = time.time() - t0
         step += 1
-        tok_s = b.n_real * world / dt
+        tok_s = n_tok / dt
         history["train_loss"].append((step, loss_v))
         mfu = train_flops(cfg, n_matmul, b) / dt / (cfg.peak_tflops * 1e12) if cfg.peak_tflops else 0  # per GPU
         bar.set_postfix_str(f"loss {loss_v:.3f} | {tok_s / 1e3:.1f}k tok/s" + (f" | MFU {mfu:.1%}" if mfu else ""))
