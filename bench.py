@@ -103,6 +103,17 @@ def flex_impl(lens, **kw):
     return fn
 
 
+def build_graph(g):
+    """Validate and build a cuDNN graph; returns its workspace."""
+    import cudnn
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.check_support()
+    g.build_plans()
+    return torch.empty(max(g.get_workspace_size(), 1), dtype=torch.uint8, device="cuda")
+
+
 def cudnn_impls(lens, H, HK, D):
     """cuDNN SDPA graphs through nvidia-cudnn-frontend (as in ../shared/peers/cudnn_sdpa_bench.py).
     Returns {name: (fwd_fn, fwdbwd_fn)}; times are measured on the graphs' own buffers."""
@@ -173,12 +184,7 @@ def cudnn_impls(lens, H, HK, D):
                     x.set_ragged_offset(t["off_" + n[1].lower()])
                 for i, n in enumerate(("amax_dQ", "amax_dK", "amax_dV", "amax_dP")[:len(res) - 3]):
                     t[n] = res[3 + i].set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(DT.FLOAT)
-            g.validate()
-            g.build_operation_graph()
-            g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-            g.check_support()
-            g.build_plans()
-            ws = torch.empty(max(g.get_workspace_size(), 1), dtype=torch.uint8, device="cuda")
+            ws = build_graph(g)
             for n in t:
                 if n not in buf:
                     buf[n] = one(448.0 if n == "scale_s" else 1 / 448.0 if n == "descale_s" else 1.0)
@@ -405,12 +411,7 @@ def cudnn_fp8_fwd(q, k, v, cu, *_):
         buf[n] = torch.zeros(1, 1, 1, 1, device="cuda")
     buf["o"] = torch.zeros(T, H, D, device="cuda", dtype=torch.float8_e4m3fn)
     buf["stats"] = torch.zeros(T, H, 1, device="cuda")
-    g.validate()
-    g.build_operation_graph()
-    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    g.check_support()
-    g.build_plans()
-    ws = torch.empty(max(g.get_workspace_size(), 1), dtype=torch.uint8, device="cuda")
+    ws = build_graph(g)
     g.execute({x: buf[n] for n, x in t.items()}, ws, handle=handle)
     torch.cuda.synchronize()
     return buf["o"].float(), buf["stats"][..., 0].t()

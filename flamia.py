@@ -373,23 +373,31 @@ def _quantize_store(x, amax, offs_t, offs_d, in_doc, doc_start, doc_pad, h, Y, E
 
 
 @triton.jit
+def _load_quant_tile(X, TILES, stride_xt, stride_xh, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The input tile of a quantizer program: rows of one document, fp32. Also returns which rows hold a
+    non-finite value (detected explicitly: the saturating E4M3 cast would turn inf into 448)."""
+    tile, h = tl.program_id(0), tl.program_id(1)
+    start, end = tl.load(TILES + tile * 8 + TILE_START), tl.load(TILES + tile * 8 + TILE_END)
+    offs_t = start + tl.arange(0, BLOCK_T)
+    in_doc = offs_t < end
+    x = tl.load(X + offs_t[:, None] * stride_xt + h * stride_xh + tl.arange(0, D)[None, :], mask=in_doc[:, None],
+                other=0.0).to(tl.float32)
+    bad = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1)
+    return x, offs_t, in_doc, bad, h
+
+
+@triton.jit
 def _quantize_kernel(
         X, TILES, FLAG,  # input (T, H, D), the Plan's 128-token tiles, int32 non-finite flag
         Y, E, YT, Y_TOK, E_TOK, YT_TOK,  # outputs: data (T, H, D), exp (H, T), data_t (H, D, T_pad); *_TOK per token
         stride_xt, stride_xh, T, T_PAD,  # strides of X (last dim contiguous); token counts
         H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
         WRITE_T: tl.constexpr, WRITE_TOK: tl.constexpr):
-    tile, h = tl.program_id(0), tl.program_id(1)
-    row = TILES + tile * 8
-    start, end = tl.load(row + TILE_START), tl.load(row + TILE_END)
+    x, offs_t, in_doc, bad, h = _load_quant_tile(X, TILES, stride_xt, stride_xh, D, BLOCK_T)
+    row = TILES + tl.program_id(0) * 8
     doc_start, doc_pad = tl.load(row + OWN_START), tl.multiple_of(tl.load(row + OWN_PAD), 16)
-    offs_t = start + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, D)
-    in_doc = offs_t < end
-    x = tl.load(X + offs_t[:, None] * stride_xt + h * stride_xh + offs_d[None, :], mask=in_doc[:, None],
-                other=0.0).to(tl.float32)
     # Non-finite input: make amax +inf so the scale becomes NaN (tl.max may drop a NaN).
-    bad = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1)
     amax = tl.where(bad != 0, float("inf"), tl.max(tl.abs(x), axis=1))  # (BLOCK_T,) per token
     if WRITE_TOK:  # the per-token copy the causal safeguard uses on the diagonal
         _quantize_store(x, amax, offs_t, offs_d, in_doc, doc_start, doc_pad, h, Y_TOK, E_TOK, YT_TOK, T, T_PAD,
@@ -443,14 +451,7 @@ def _quantize_nvfp4_kernel(
         stride_xt, stride_xh, T,
         H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
     """NVFP4 in one pass, bit-identical to quantize_nvfp4_reference (IEEE-rounded divisions, like torch)."""
-    tile, h = tl.program_id(0), tl.program_id(1)
-    start, end = tl.load(TILES + tile * 8 + TILE_START), tl.load(TILES + tile * 8 + TILE_END)
-    offs_t = start + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, D)
-    in_doc = offs_t < end
-    x = tl.load(X + offs_t[:, None] * stride_xt + h * stride_xh + offs_d[None, :], mask=in_doc[:, None],
-                other=0.0).to(tl.float32)
-    bad = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1)
+    x, offs_t, in_doc, bad, h = _load_quant_tile(X, TILES, stride_xt, stride_xh, D, BLOCK_T)
     s2 = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 2688.0)  # 448 * 6: the block scale then fits E4M3
     s2 = tl.where(bad != 0, float("nan"), tl.where(s2 > 0, s2, 1.0))
     xb = tl.reshape(x, (BLOCK_T, D // 16, 16))

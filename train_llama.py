@@ -1,31 +1,32 @@
 """
 train_llama.py -- pretrain a small Llama on packed documents with FLAMIA attention.
 
-nanoGPT-style: one readable file, no framework. Every batch is a fixed token budget filled with
-whole documents; attention never crosses a document (cu_seqlens), RoPE positions restart at every
-document, and nothing is learned across a document boundary (the last token of a document has no
+nanoGPT-style: one readable file, no framework. A batch is a fixed token budget filled with whole
+documents; attention never crosses a document (cu_seqlens), RoPE positions restart at every
+document, and nothing is learned across a document boundary (a document's last token has no
 target). Attention runs through flamia.flamia_attn_varlen_func (MXFP8 by default).
 
     python train_llama.py                              # 1 GPU: ~25M-param Llama, ~5 min on an H200
-    python train_llama.py                              # no GPU: a tiny config, a few minutes on 2 cores
-    python train_llama.py --attn bf16 --max_steps 200  # any Config field is a flag
-    torchrun --nproc_per_node=2 train_llama.py         # DDP (nccl on GPUs, gloo on CPU)
+    python train_llama.py                              # no GPU: tiny config, a few minutes on 2 cores
+    python train_llama.py --attn bf16 --max_steps 200  # every Config field is a flag
+    torchrun --nproc_per_node=2 train_llama.py         # DDP (nccl on GPUs, gloo on CPUs)
     python train_llama.py --data PATH                  # a real corpus (below)
     python train_llama.py --resume                     # continue out_train/ckpt.pt exactly
-    python train_llama.py --resume --eval_leak         # leak probe of a trained checkpoint (no more steps)
-    python train_llama.py --attn mxfp8 --unsafe_leaky_attention --eval_leak   # the leak demo
+    python train_llama.py --resume --eval_leak         # leak probe of the trained checkpoint
+    python train_llama.py --unsafe_leaky_attention --eval_leak   # the leak demo (mxfp8, no safeguard)
 
-Data (no download by default): every *.py file of the Python standard library (site-packages
-excluded), sorted, one file = one document, bytes as tokens (vocab 256). --data PATH may be:
-  * a directory: every *.txt *.md *.rst *.py file below it (recursive, sorted), one file = one document;
-  * a text file: documents separated by two consecutive blank lines ("\\n\\n\\n");
-  * a directory holding nanoGPT-style train.bin / val.bin (raw uint16 token ids, no header),
-    or one such .bin file: documents END with --doc_sep_token (kept as the document's last token,
-    so the model learns to end documents); --vocab_size is then required.
-Every --val_every-th document (the first one included) is held out, unless val.bin exists.
-A real corpus, e.g. FineWeb-Edu: take nanoGPT's data/openwebtext/prepare.py, load
-"HuggingFaceFW/fineweb-edu" (name="sample-10BT") instead of openwebtext, run it (it writes
-train.bin / val.bin of GPT-2 tokens, <|endoftext|> = 50256 after every document), then
+Data. Default, no download: every *.py file of the Python standard library (site-packages
+excluded), sorted, one file = one document, bytes as tokens (vocab 256). --data PATH can be
+  * a directory: every *.txt *.md *.rst *.py below it (recursive, sorted), one file = one document;
+  * a text file: documents separated by two (or more) consecutive blank lines;
+  * a directory with nanoGPT-style train.bin / val.bin (raw uint16 token ids, no header), or one
+    .bin file: a document ENDS with --doc_sep_token (kept as its last token, so the model learns
+    to end documents); --vocab_size is then required.
+Every --val_every-th document is held out for validation, unless a val.bin exists. Documents
+longer than --max_doc_len (the context window, <= the batch budget) are cut into pieces.
+A real corpus, e.g. FineWeb-Edu: copy nanoGPT's data/openwebtext/prepare.py, load
+"HuggingFaceFW/fineweb-edu" (name="sample-10BT") instead of openwebtext and run it; it writes
+train.bin / val.bin of GPT-2 tokens with <|endoftext|> (50256) after every document. Then
     python train_llama.py --data data/fineweb_edu --vocab_size 50304 --doc_sep_token 50256
 Outputs in --out_dir: ckpt.pt, log.csv (step, train_loss, val_loss, lr, tokens_per_s), loss.png.
 """
@@ -52,57 +53,50 @@ import flamia
 
 @dataclass
 class Config:
-    # data
-    data: str = ""  # "" = the standard library's *.py files; else a dir, a text file or train.bin/val.bin
+    data: str = ""  # "" = the standard library's *.py files; else a dir, a text file, or train.bin/val.bin
     vocab_size: int = 0  # 0 = 256 (bytes); required for .bin tokens (e.g. 50304 for GPT-2)
     doc_sep_token: int = 50256  # .bin only: the token that ends every document
     val_every: int = 20  # every 20th document is validation (deterministic)
-    # model
     d_model: int = 512  # residual width
     n_layers: int = 8  # transformer blocks
     n_heads: int = 8  # query heads
-    n_kv_heads: int = 4  # key/value heads (GQA: n_heads / n_kv_heads queries share one)
-    head_dim: int = 64  # FLAMIA kernels support 64 and 128
-    ffn_dim: int = 1536  # SwiGLU hidden width (~8/3 d_model, rounded to 256)
-    tie_embeddings: bool = True  # share input embedding and output head (see Llama)
+    n_kv_heads: int = 4  # key/value heads (GQA: n_heads / n_kv_heads query heads share one)
+    head_dim: int = 64  # FLAMIA's kernels take 64 or 128
+    ffn_dim: int = 1536  # SwiGLU hidden width (~8/3 d_model, rounded up)
+    tie_embeddings: bool = True  # share input embedding and output head (why: see Llama)
     rope_theta: float = 10000.0  # RoPE base
-    # attention
-    attn: str = "mxfp8"  # bf16 | mxfp8 | nvfp4 (FLAMIA recipes) | sdpa (PyTorch reference)
+    attn: str = "mxfp8"  # bf16 | mxfp8 | nvfp4 (FLAMIA recipes) | sdpa (independent PyTorch reference)
     unsafe_leaky_attention: bool = False  # mxfp8 WITHOUT the causal safeguard: leaks the future (demo)
-    # batch
-    tokens_per_batch: int = 32768  # token budget per rank and step (the global batch is x world size)
-    max_doc_len: int = 2048  # context window: longer documents are cut into pieces of this length
-    # optimizer
+    tokens_per_batch: int = 32768  # token budget per rank and step; global batch = this x world size
+    max_doc_len: int = 2048  # context window: longer documents are cut into pieces this long
     lr: float = 2e-3  # peak learning rate
-    min_lr: float = 2e-4  # cosine decay floor
+    min_lr: float = 2e-4  # end of the cosine decay
     warmup_steps: int = 100  # linear warmup
-    max_steps: int = 2500  # total steps (the schedule ends here)
-    weight_decay: float = 0.1  # AdamW, on 2-D weights only
-    beta1: float = 0.9
-    beta2: float = 0.95
+    max_steps: int = 2500  # the schedule ends here
+    weight_decay: float = 0.1  # AdamW, 2-D weights only
+    beta1: float = 0.9  # AdamW momentum
+    beta2: float = 0.95  # AdamW second moment (0.95: steadier than 0.999 at this batch size)
     grad_clip: float = 1.0  # max global grad norm (0 = off)
-    # run
     seed: int = 1337  # model init and data order
     out_dir: str = "out_train"  # checkpoint, CSV log, loss plot
-    resume: bool = False  # continue from out_dir/ckpt.pt (model, optimizer, step, data position, RNG)
-    stop_at: int = 0  # stop (and checkpoint) after this step without changing the schedule; 0 = max_steps
-    eval_interval: int = 250  # validate every N steps (and at the end)
+    resume: bool = False  # continue from out_dir/ckpt.pt: model, optimizer, step, data position, RNG
+    stop_at: int = 0  # stop (and checkpoint) after this step, schedule unchanged (0 = max_steps)
+    eval_interval: int = 250  # validate every N steps and at the end
     eval_batches: int = 16  # validation batches per rank (the same ones every time)
     log_interval: int = 10  # CSV row every N steps
-    ckpt_interval: int = 500  # checkpoint every N steps (and at the end)
+    ckpt_interval: int = 500  # checkpoint every N steps and at the end
     compile: bool = False  # torch.compile the model
-    peak_tflops: float = 989.0  # MFU denominator: H200 dense bf16 (0 = no MFU)
+    peak_tflops: float = 989.0  # MFU denominator per GPU: H200 dense bf16 (0 = no MFU)
     eval_leak: bool = False  # after training: teacher-forced vs autoregressive val loss (MatX's probe)
-    leak_docs: int = 8  # leak probe: documents
+    leak_docs: int = 8  # leak probe: validation documents
     leak_len: int = 256  # leak probe: tokens per document
 
 
-# Without a GPU: something that finishes in a few minutes on 2 cores but still shows learning.
+# Without a GPU: small enough for a few minutes on 2 cores, big enough to show learning.
 CPU_DEFAULTS = dict(d_model=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=384, tokens_per_batch=1024,
-                    max_doc_len=256, lr=3e-3, min_lr=3e-4, warmup_steps=20, max_steps=300, eval_interval=100,
-                    eval_batches=8, log_interval=10, ckpt_interval=100, peak_tflops=0.0, leak_docs=4, leak_len=128)
-MODEL_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
-                "tie_embeddings", "max_doc_len")
+                    max_doc_len=256, lr=3e-3, min_lr=3e-4, warmup_steps=30, max_steps=600, eval_interval=100,
+                    eval_batches=8, ckpt_interval=100, peak_tflops=0.0, leak_docs=4, leak_len=128)
+MODEL_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_doc_len")
 TEXT_EXTS = (".txt", ".md", ".rst", ".py")
 
 
@@ -113,50 +107,49 @@ def die(msg):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse prints usage + error; we want the one-line contract of die()
+    def error(self, message):  # argparse would print the usage too; keep die()'s one-line contract
         die(message)
 
 
 def parse_config(argv=None) -> Config:
-    """Flags are generated from the dataclass, so a new field is a new flag with no extra code.
-    All flags default to None so we can tell what the user set: the GPU/CPU defaults apply below it."""
+    """Flags come from the dataclass: a new field is a new flag. They default to None, so we know
+    what the user set; everything else takes the GPU defaults (the dataclass) or CPU_DEFAULTS."""
     p = _Parser(description="Pretrain a small Llama with FLAMIA attention (see the module docstring).")
     for f in fields(Config):
-        if f.type in (bool, "bool"):  # --compile, --compile true, --compile 0
-            p.add_argument(f"--{f.name}", nargs="?", const=True, default=None,
-                           type=lambda s: s.lower() in ("1", "true", "yes", "on"))
+        if f.type is bool:  # --compile, --compile true, --compile 0
+            p.add_argument(f"--{f.name}", nargs="?", const=True, type=lambda s: s.lower() in ("1", "true", "yes"))
         else:
-            p.add_argument(f"--{f.name}", type=f.type, default=None)
-    user = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
-    cfg = Config(**(CPU_DEFAULTS if not torch.cuda.is_available() else {}))
-    for k, v in user.items():
-        setattr(cfg, k, v)
+            p.add_argument(f"--{f.name}", type=f.type)
+    cfg = Config(**({} if torch.cuda.is_available() else CPU_DEFAULTS))
+    for k, v in vars(p.parse_args(argv)).items():
+        if v is not None:
+            setattr(cfg, k, v)
     return cfg
 
 
 def validate(cfg: Config):
+    attns = flamia.RECIPES + ("sdpa",)
     if cfg.attn == "nvfp4" and "nvfp4" not in flamia.RECIPES:
         die(f"--attn nvfp4: this flamia has no nvfp4 recipe yet (flamia.RECIPES = {flamia.RECIPES})")
-    if cfg.attn not in flamia.RECIPES + ("sdpa",):
-        die(f"--attn {cfg.attn!r}: choose one of {', '.join(flamia.RECIPES + ('sdpa',))}")
+    if cfg.attn not in attns:
+        die(f"--attn {cfg.attn!r}: choose one of {', '.join(attns)}")
     if cfg.unsafe_leaky_attention and cfg.attn != "mxfp8":
-        die("--unsafe_leaky_attention only exists for --attn mxfp8 (it removes mxfp8's causal safeguard)")
-    if cfg.tokens_per_batch < 2:
-        die(f"--tokens_per_batch {cfg.tokens_per_batch}: a batch needs at least 2 tokens (an input and its target)")
-    if cfg.max_doc_len < 2:
-        die(f"--max_doc_len {cfg.max_doc_len}: a document needs at least 2 tokens (an input and its target)")
+        die("--unsafe_leaky_attention needs --attn mxfp8 (it switches mxfp8's causal safeguard off)")
+    if min(cfg.tokens_per_batch, cfg.max_doc_len) < 2:
+        die(f"--tokens_per_batch {cfg.tokens_per_batch} / --max_doc_len {cfg.max_doc_len}: "
+            "need at least 2 tokens (one input and its next-token target)")
     if cfg.attn != "sdpa" and cfg.head_dim not in flamia.HEAD_DIMS:
         die(f"--head_dim {cfg.head_dim}: FLAMIA supports {flamia.HEAD_DIMS}")
     if cfg.head_dim % 2 or cfg.n_kv_heads < 1 or cfg.n_heads % cfg.n_kv_heads:
         die(f"need an even head_dim and n_heads ({cfg.n_heads}) a multiple of n_kv_heads ({cfg.n_kv_heads})")
-    if min(cfg.max_steps, cfg.eval_interval, cfg.eval_batches, cfg.log_interval, cfg.ckpt_interval) < 1:
-        die("max_steps, eval_interval, eval_batches, log_interval and ckpt_interval must be >= 1")
+    if min(cfg.max_steps, cfg.eval_interval, cfg.eval_batches, cfg.log_interval, cfg.ckpt_interval, cfg.val_every) < 1:
+        die("max_steps, eval_interval, eval_batches, log_interval, ckpt_interval and val_every must be >= 1")
     cfg.max_doc_len = min(cfg.max_doc_len, cfg.tokens_per_batch)  # a document must fit in a batch
 
 
 # ---------------------------------------------------------------------------------------------
-# Data: a corpus is ONE flat token array plus document [start, end) offsets. Offsets instead of a
-# list of arrays so a 10B-token memmap costs two int64 arrays, not ten million Python objects.
+# Data. A corpus is ONE flat token array plus document [start, end) offsets: a 10B-token memmap
+# then costs two int64 arrays, not ten million Python objects.
 # ---------------------------------------------------------------------------------------------
 class Corpus:
     def __init__(self, tokens, starts, ends):
@@ -169,59 +162,51 @@ class Corpus:
         return Corpus(self.tokens, self.starts[idx], self.ends[idx])
 
     def cut(self, max_len):
-        """A document longer than max_len becomes several documents of max_len (the last one shorter)."""
+        """Each document longer than max_len becomes pieces of max_len (the last one shorter)."""
         n = -(-(self.ends - self.starts) // max_len)  # pieces per document
-        first = np.repeat(self.starts, n)
-        starts = first + (np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)) * max_len
+        starts = np.repeat(self.starts, n) + (np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)) * max_len
         return Corpus(self.tokens, starts, np.minimum(starts + max_len, np.repeat(self.ends, n)))
 
 
 def _bytes_corpus(blobs):
     blobs = [b for b in blobs if b.strip()]  # skip empty documents (e.g. empty __init__.py)
-    ends = np.cumsum([len(b) for b in blobs])
+    ends = np.cumsum([len(b) for b in blobs], dtype=np.int64)
     return Corpus(np.frombuffer(b"".join(blobs), np.uint8), ends - [len(b) for b in blobs], ends)
 
 
 def _bin_corpus(path, sep):
-    """nanoGPT .bin: raw uint16 ids; a document ends with (and includes) the separator token."""
     tok = np.memmap(path, dtype=np.uint16, mode="r")
-    chunk = 1 << 26  # scan in chunks: `tok == sep` on 10B tokens at once would need 10 GB
-    ends = np.concatenate([np.flatnonzero(tok[i:i + chunk] == sep) + i + 1 for i in range(0, len(tok), chunk)]
+    step = 1 << 26  # scan in chunks: `tok == sep` over 10B tokens at once would need 10 GB
+    ends = np.concatenate([np.flatnonzero(tok[i:i + step] == sep) + i + 1 for i in range(0, len(tok), step)]
                           + [np.array([len(tok)], np.int64)])
     ends = np.unique(ends[ends > 0])  # the tail after the last separator is a document too
-    return Corpus(tok, np.concatenate([[0], ends[:-1]]), ends)
+    return Corpus(tok, np.r_[0, ends[:-1]], ends)
 
 
 def load_documents(cfg: Config):
-    """-> (train Corpus, val Corpus, vocab_size), documents cut to cfg.max_doc_len."""
-    path, val = cfg.data or os.path.dirname(os.__file__), None
+    """-> (train Corpus, val Corpus, vocab_size), documents cut to at most cfg.max_doc_len tokens."""
+    path, val, vocab = cfg.data or os.path.dirname(os.__file__), None, max(cfg.vocab_size, 256)
     if not os.path.exists(path):
         die(f"--data {path}: no such file or directory")
     binfile = os.path.join(path, "train.bin") if os.path.isdir(path) else path
     if binfile.endswith(".bin") and os.path.isfile(binfile):
         if cfg.vocab_size <= cfg.doc_sep_token:
-            die(f"--data {path} holds .bin token ids: pass --vocab_size (> --doc_sep_token {cfg.doc_sep_token}), "
+            die(f"--data {path} holds token ids: pass --vocab_size (> --doc_sep_token {cfg.doc_sep_token}), "
                 "e.g. 50304 for GPT-2 tokens")
         train, vocab = _bin_corpus(binfile, cfg.doc_sep_token), cfg.vocab_size
-        vfile = os.path.join(os.path.dirname(binfile), "val.bin")
-        val = _bin_corpus(vfile, cfg.doc_sep_token) if os.path.isfile(vfile) else None
+        if os.path.isfile(vfile := os.path.join(os.path.dirname(binfile), "val.bin")):
+            val = _bin_corpus(vfile, cfg.doc_sep_token)
     elif os.path.isdir(path):
-        skip = {"site-packages", "dist-packages", "__pycache__"} if not cfg.data else set()
-        files = []
+        files, skip = [], () if cfg.data else ("site-packages", "dist-packages")  # the stdlib only
         for root, dirs, names in os.walk(path):
             dirs[:] = sorted(d for d in dirs if d not in skip)
             files += [os.path.join(root, n) for n in sorted(names) if n.endswith(TEXT_EXTS if cfg.data else ".py")]
-        blobs = []
-        for f in files:
-            with open(f, "rb") as fh:
-                blobs.append(fh.read())
-        train, vocab = _bytes_corpus(blobs), max(cfg.vocab_size, 256)
+        train = _bytes_corpus([open(f, "rb").read() for f in files])
     else:
-        with open(path, "rb") as fh:
-            train, vocab = _bytes_corpus(re.split(rb"\n(?:[ \t]*\n){2,}", fh.read())), max(cfg.vocab_size, 256)
+        train = _bytes_corpus(re.split(rb"\n(?:[ \t]*\n){2,}", open(path, "rb").read()))
     if len(train) == 0:
         die(f"--data {path}: no documents found (empty, or no {'/'.join(TEXT_EXTS)} files)")
-    if val is None:  # hold out whole documents, BEFORE cutting: no file is in both splits
+    if val is None:  # hold out whole documents BEFORE cutting, so no file is in both splits
         if len(train) < 2:
             die(f"--data {path}: need at least 2 documents (one to train on, one to validate)")
         is_val = np.arange(len(train)) % cfg.val_every == 0
@@ -234,7 +219,7 @@ class Batch:
 
     def __init__(self, tokens, targets, cu, lens, n_real):
         self.tokens, self.targets, self.cu, self.lens, self.n_real = tokens, targets, cu, lens, n_real
-        self.max_len, self.plan = max(lens), None  # lens: host list (no sync for max_len / FLOPs)
+        self.max_len, self.plan = max(lens), None  # lens is a host list: max_len and FLOPs need no sync
 
     def to(self, device):
         return Batch(*(t.to(device, non_blocking=True) for t in (self.tokens, self.targets, self.cu)),
@@ -242,17 +227,16 @@ class Batch:
 
 
 def make_batch(corpus: Corpus, doc_ids, budget: int, max_len: int) -> Batch:
-    """Concatenate whole documents, then pad to exactly `budget` tokens (stable shapes for
-    torch.compile and memory). Padding is cut into short documents of its own: nothing attends
-    to it, it has no targets, and its attention costs O(128^2) per piece, not O(pad^2)."""
+    """Concatenate whole documents and pad to exactly `budget` tokens (stable shapes for
+    torch.compile and memory). Padding is cut into short documents of its own: nothing attends to
+    it, it has no targets, and its attention costs O(128^2) per piece instead of O(pad^2)."""
     parts = [np.asarray(corpus.tokens[corpus.starts[d]:corpus.ends[d]], np.int64) for d in doc_ids]
-    lens = [len(p) for p in parts]
-    n_real, piece = sum(lens), min(128, max_len)
-    lens += [piece] * ((budget - n_real) // piece) + ([(budget - n_real) % piece] if (budget - n_real) % piece else [])
+    lens, n_real, piece = [len(p) for p in parts], sum(len(p) for p in parts), min(128, max_len)
+    lens += [piece] * ((budget - n_real) // piece) + [(budget - n_real) % piece] * ((budget - n_real) % piece > 0)
     tokens = torch.from_numpy(np.concatenate(parts + [np.zeros(budget - n_real, np.int64)]))
     cu = torch.tensor(np.cumsum([0] + lens), dtype=torch.int32)
-    # Next-token targets INSIDE a document only: shift left, then blank the last token of every
-    # document (its "next token" is the first token of an unrelated document) and all padding.
+    # Next-token targets INSIDE a document only: shift left, then blank each document's last token
+    # (its "next token" would be the start of an unrelated document) and all padding.
     targets = torch.roll(tokens, -1)
     targets[cu[1:].long() - 1] = -100
     targets[n_real:] = -100
@@ -262,39 +246,36 @@ def make_batch(corpus: Corpus, doc_ids, budget: int, max_len: int) -> Batch:
 class Packer:
     """Deals this rank's documents into fixed-budget batches, reproducibly.
 
-    Documents are dealt to ranks once (piece i goes to rank i % world), so no document is split
-    across ranks and none is seen by two ranks; each rank reshuffles its share every epoch from
-    (seed, rank, epoch), so an epoch sees each document once. First-fit over a small lookahead
-    window keeps padding low without sorting the corpus. The whole data position is
-    (epoch, cursor, pending): state_dict() is all a checkpoint needs to continue identically."""
+    Documents are dealt to ranks once (document i to rank i % world): none is split across ranks or
+    seen by two. Each rank reshuffles its share every epoch from (seed, rank, epoch), so an epoch
+    sees each document once. First-fit over a 64-document lookahead keeps padding low without
+    sorting the corpus. (epoch, cursor, pending) is the whole data position: a checkpoint saves it."""
 
-    def __init__(self, corpus, budget, max_len, rank=0, world=1, seed=0, loop=True, lookahead=64):
-        self.corpus, self.budget, self.max_len, self.loop, self.seed, self.rank = corpus, budget, max_len, loop, seed, rank
-        self.mine = np.arange(rank, len(corpus), world)
-        self.lens = corpus.ends - corpus.starts
-        self.lookahead = min(lookahead, len(self.mine))  # never the same document twice in a window
-        self.epoch, self.cursor, self.pending = 0, 0, []
-        self._order = None
+    def __init__(self, corpus, budget, max_len, rank=0, world=1, seed=0, loop=True):
+        self.corpus, self.budget, self.max_len, self.seed, self.rank, self.loop = corpus, budget, max_len, seed, rank, loop
+        self.mine, self.lens = np.arange(rank, len(corpus), world), corpus.ends - corpus.starts
+        self.lookahead = min(64, len(self.mine))
+        self.epoch, self.cursor, self.pending, self.order = 0, 0, [], None
 
     def state_dict(self):
         return {"epoch": self.epoch, "cursor": self.cursor, "pending": list(self.pending)}
 
     def load_state_dict(self, s):
-        self.epoch, self.cursor, self.pending, self._order = s["epoch"], s["cursor"], list(s["pending"]), None
+        self.epoch, self.cursor, self.pending, self.order = s["epoch"], s["cursor"], list(s["pending"]), None
 
     def _next_doc(self):
         if self.cursor == len(self.mine):
             if not self.loop:
                 return None
-            self.epoch, self.cursor, self._order = self.epoch + 1, 0, None
-        if self._order is None:
-            rng = np.random.default_rng([self.seed, self.rank, self.epoch])
-            self._order = self.mine[rng.permutation(len(self.mine))] if self.loop else self.mine
+            self.epoch, self.cursor, self.order = self.epoch + 1, 0, None
+        if self.order is None:
+            perm = np.random.default_rng([self.seed, self.rank, self.epoch]).permutation(len(self.mine))
+            self.order = self.mine[perm] if self.loop else self.mine  # validation: fixed order
         self.cursor += 1
-        return int(self._order[self.cursor - 1])
+        return int(self.order[self.cursor - 1])
 
-    def doc_ids(self):
-        """The documents of the next batch (empty list: a non-looping packer is exhausted)."""
+    def next_batch(self):
+        """The next packed batch, or None when a non-looping packer is exhausted."""
         take, used = [], 0
         while used < self.budget:
             while len(self.pending) < self.lookahead and (d := self._next_doc()) is not None:
@@ -304,63 +285,54 @@ class Packer:
                 break
             take.append(self.pending.pop(fit))
             used += int(self.lens[take[-1]])
-        return take
-
-    def next_batch(self):
-        ids = self.doc_ids()
-        return make_batch(self.corpus, ids, self.budget, self.max_len) if ids else None
+        return make_batch(self.corpus, take, self.budget, self.max_len) if take else None
 
 
 # ---------------------------------------------------------------------------------------------
 # Model: Llama (RMSNorm, RoPE, SwiGLU, GQA, no biases) on packed (total_tokens, ...) tensors.
-# There is no batch dimension anywhere: documents are told apart by cu_seqlens alone.
+# There is no batch dimension: documents are told apart by cu_seqlens alone.
 # ---------------------------------------------------------------------------------------------
 def positions_from_cu(cu: torch.Tensor, total: int) -> torch.Tensor:
-    """Position of every token inside its own document: RoPE restarts at 0 at each document start,
-    so a document's representation does not depend on where the packer happened to put it."""
-    lens = cu.diff().long()
-    return torch.arange(total, device=cu.device) - torch.repeat_interleave(cu[:-1].long(), lens, output_size=total)
+    """Each token's position inside its own document: RoPE restarts at 0 at every document start,
+    so a document is encoded the same wherever the packer put it."""
+    return torch.arange(total, device=cu.device) - torch.repeat_interleave(cu[:-1].long(), cu.diff().long(),
+                                                                           output_size=total)
 
 
-def apply_rope(x, cos, sin):  # x (T, H, D); rotate the two halves of the head dim (Llama's layout)
+def apply_rope(x, cos, sin):  # x (T, H, D): rotate the two halves of the head dim (Llama's layout)
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
 
 
 def attend(q, k, v, b: Batch, cfg: Config):
-    """Causal attention within each document of the packed batch; q (T, H, D), k/v (T, Hk, D)."""
-    if cfg.attn == "sdpa":  # independent reference: one plain causal SDPA per document
-        rep = q.shape[1] // k.shape[1]
-        out, a = [], 0
-        for n in b.lens:  # a Python loop over documents: correct and simple, not fast
-            qd, kd, vd = (x[a:a + n].transpose(0, 1) for x in (q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)))
-            out.append(F.scaled_dot_product_attention(qd, kd.to(qd.dtype), vd.to(qd.dtype), is_causal=True).transpose(0, 1))
-            a += n
-        return torch.cat(out)
-    # FLAMIA wants bf16/fp16 inputs: on the CPU the model computes in fp32, so cast here. Q is
-    # scaled per token; K/V per token (block_tokens=1) unless the leak demo asks for 32-token blocks
-    # without the safeguard. check_finite=False: the check costs a host sync per layer, and a
-    # diverged run shows up in the loss anyway.
+    """Causal attention inside each document of the batch: q (T, H, D), k and v (T, Hk, D)."""
+    if cfg.attn == "sdpa":  # the independent reference: a plain causal SDPA per document
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1).to(q.dtype) for x in (k, v))
+        docs = zip(*(x.split(b.lens) for x in (q, k, v)))  # a Python loop: correct and simple, not fast
+        return torch.cat([F.scaled_dot_product_attention(*(x.transpose(0, 1) for x in d), is_causal=True)
+                          .transpose(0, 1) for d in docs])
+    # FLAMIA takes bf16/fp16: on the CPU the model computes in fp32, so cast here. K/V scales are per
+    # token (block_tokens=1) unless the leak demo asks for 32-token blocks without the safeguard.
+    # check_finite=False: that check is a host sync per layer; a diverged run shows in the loss.
     leaky = cfg.unsafe_leaky_attention
     return flamia.flamia_attn_varlen_func(
-        q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16), b.cu, b.cu, b.max_len, b.max_len,
-        causal=True, recipe=cfg.attn, plan=b.plan, check_finite=False, safeguard=not leaky,
+        q.bfloat16(), k.bfloat16(), v.bfloat16(), b.cu, b.cu, b.max_len, b.max_len, causal=True,
+        recipe=cfg.attn, plan=b.plan, check_finite=False, safeguard=not leaky,
         block_tokens=32 if leaky else flamia.DEFAULT_BLOCK_TOKENS)
 
 
 class Block(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
-        self.cfg, H, Hk, D = cfg, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.attn_norm, self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=1e-5), nn.RMSNorm(cfg.d_model, eps=1e-5)
-        self.wq, self.wk, self.wv = (nn.Linear(cfg.d_model, h * D, bias=False) for h in (H, Hk, Hk))
-        self.wo = nn.Linear(H * D, cfg.d_model, bias=False)
-        self.w1, self.w3 = (nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False) for _ in range(2))  # gate, up
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+        self.cfg, d, D = cfg, cfg.d_model, cfg.head_dim
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(d, eps=1e-5), nn.RMSNorm(d, eps=1e-5)
+        self.wq, self.wk, self.wv = (nn.Linear(d, h * D, bias=False) for h in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads))
+        self.wo = nn.Linear(cfg.n_heads * D, d, bias=False)
+        self.w1, self.w3 = nn.Linear(d, cfg.ffn_dim, bias=False), nn.Linear(d, cfg.ffn_dim, bias=False)  # gate, up
+        self.w2 = nn.Linear(cfg.ffn_dim, d, bias=False)
 
     def forward(self, x, cos, sin, b: Batch):
-        T, c = x.shape[0], self.cfg
-        h = self.attn_norm(x)
+        T, c, h = x.shape[0], self.cfg, self.attn_norm(x)
         q = apply_rope(self.wq(h).view(T, c.n_heads, c.head_dim), cos, sin)
         k = apply_rope(self.wk(h).view(T, c.n_kv_heads, c.head_dim), cos, sin)
         v = self.wv(h).view(T, c.n_kv_heads, c.head_dim)
@@ -370,8 +342,8 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """Tied embeddings by default: with byte tokens the embedding is tiny either way, but with a
-    50k GPT-2 vocabulary an untied head would be as large as the whole 25M-parameter trunk."""
+    """Embeddings tied by default: with byte tokens the table is tiny either way, but with GPT-2's
+    50k vocabulary an untied head alone would be as large as the 25M-parameter trunk."""
 
     def __init__(self, cfg: Config):
         super().__init__()
@@ -383,18 +355,17 @@ class Llama(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim)
-        ang = torch.outer(torch.arange(cfg.max_doc_len).float(), inv)  # positions never exceed max_doc_len
+        ang = torch.outer(torch.arange(cfg.max_doc_len).float(), inv)  # positions stay < max_doc_len
         self.register_buffer("cos", ang.cos(), persistent=False)
         self.register_buffer("sin", ang.sin(), persistent=False)
-        for name, p in self.named_parameters():
-            if p.dim() == 2:  # GPT-2 init; residual projections scaled down by depth
-                std = 0.02 / math.sqrt(2 * cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
-                nn.init.normal_(p, std=std)
+        for name, p in self.named_parameters():  # GPT-2 init; residual projections scaled by depth
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layers) if name.endswith(("wo.weight", "w2.weight"))
+                                else 0.02)
 
     def hidden(self, b: Batch):
         pos = positions_from_cu(b.cu, b.tokens.shape[0])
-        cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]
-        x = self.embed(b.tokens)
+        cos, sin, x = self.cos[pos][:, None], self.sin[pos][:, None], self.embed(b.tokens)
         for blk in self.blocks:
             x = blk(x, cos, sin, b)
         return self.norm(x)
@@ -404,72 +375,70 @@ class Llama(nn.Module):
 
 
 def train_flops(cfg: Config, n_matmul: int, b: Batch) -> float:
-    """Model FLOPs of one training step: 6 N per real token, plus causal attention per document:
-    QK^T and PV are 2 * 2 * H * D FLOPs per visible (query, key) pair, L (L + 1) / 2 pairs for a
-    document of length L, x3 for forward + backward. Sum of L^2 terms, not (sum L)^2: packing saves it."""
-    pairs, seen = 0, 0
-    for L in b.lens:  # real documents come first; padding documents are not work
-        pairs, seen = pairs + (L * (L + 1) / 2 if seen < b.n_real else 0), seen + L
+    """Model FLOPs of one step: 6 per matmul weight per real token, plus causal attention per
+    document: QK^T and PV cost 2 * 2 * H * D per visible (query, key) pair, L (L + 1) / 2 pairs in
+    a document of L tokens, x3 for forward + backward. A sum of L^2 terms, not (sum L)^2."""
+    ends = np.cumsum(b.lens)
+    pairs = sum(L * (L + 1) / 2 for L, e in zip(b.lens, ends) if e <= b.n_real)  # padding is not work
     return 6 * n_matmul * b.n_real + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * pairs
 
 
+def kernels_run(device) -> bool:  # flamia's own rule: elsewhere its PyTorch oracle computes attention
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def to_device(b: Batch, device) -> Batch:
+    b = b.to(device)
+    if kernels_run(device):  # ONE plan per batch (one host sync), shared by every layer, fwd and bwd
+        b.plan = flamia.flamia_plan(b.cu)
+    return b
+
+
 # ---------------------------------------------------------------------------------------------
-# Leak probe (MatX's method). Teacher forcing scores every position of a document in ONE pass. The
+# Leak probe (MatX's method). Teacher forcing scores all positions of a document in one pass. The
 # autoregressive score of position p runs the model on the prefix [0, p] ALONE, as its own packed
-# document, and reads the prediction at its last token: nothing after p exists in that call, so
-# it is causal by construction, whatever the attention does. If teacher forcing is lower, the
-# attention let the future in (e.g. a K/V scale shared with later tokens). Many prefixes go into
-# one packed call as separate documents, which is exactly what varlen attention is for.
+# document, and reads the prediction at its last token: nothing after p is in that document, so it
+# is causal by construction, whatever the attention does. If teacher forcing scores better, the
+# attention let the future in. Many prefixes share one packed call as separate documents.
 # ---------------------------------------------------------------------------------------------
 def packed(seqs, budget, max_len, device):
-    """Greedy: consecutive token sequences -> packed batches (each sequence its own document)."""
+    """Consecutive token sequences -> packed batches, each sequence its own document."""
     i = 0
     while i < len(seqs):
         j, used = i, 0
         while j < len(seqs) and used + len(seqs[j]) <= budget:
             used, j = used + len(seqs[j]), j + 1
         ends = np.cumsum([len(s) for s in seqs[i:j]])
-        yield i, j, to_device(make_batch(Corpus(np.concatenate(seqs[i:j]), np.r_[0, ends[:-1]], ends), range(j - i),
-                                         budget, max_len), device)
+        flat = Corpus(np.concatenate(seqs[i:j]), np.r_[0, ends[:-1]], ends)
+        yield i, j, to_device(make_batch(flat, range(j - i), budget, max_len), device)
         i = j
 
 
 @torch.no_grad()
 def leak_probe(model, cfg, val: Corpus, device, ctx):
-    """-> (teacher-forced loss, autoregressive loss) in nats/token, over the same (position, target) pairs."""
+    """-> (teacher-forced loss, autoregressive loss, max |logit difference|) over the same
+    (position, target) pairs; losses in nats/token. Causal attention gives a logit difference of
+    ~0 (summation-order noise); a leak makes the teacher-forced predictions see the future."""
     L, budget = min(cfg.leak_len, cfg.max_doc_len), cfg.tokens_per_batch
     docs = [np.asarray(val.tokens[a:min(b, a + L)], np.int64) for a, b in zip(val.starts, val.ends) if b - a >= 2]
     docs = docs[:cfg.leak_docs]
-    n, tf, ar = sum(len(d) - 1 for d in docs), 0.0, 0.0
-    for _, _, b in packed(docs, budget, L, device):  # teacher forced: whole documents, one pass
-        with ctx:
-            tf += model(b).item() * (b.targets != -100).sum().item()
-    prefixes = [d[:p + 1] for d in docs for p in range(len(d) - 1)]  # predicts d[p + 1] from d[:p + 1] alone
     targets = torch.tensor([d[p + 1] for d in docs for p in range(len(d) - 1)], device=device)
+    tf, ar = [], []
+    for _, _, b in packed(docs, budget, L, device):  # teacher forced: whole documents in one pass
+        with ctx:  # rows with a target, in order, are the predictions of d[1], d[2], ... of each d
+            tf.append(model.head(model.hidden(b)[b.targets != -100]).float())
+    prefixes = [d[:p + 1] for d in docs for p in range(len(d) - 1)]  # d[:p + 1] alone predicts d[p + 1]
     for i, j, b in packed(prefixes, budget, L, device):
-        with ctx:  # the prediction of each prefix is the logit row of its last token
-            logits = model.head(model.hidden(b)[b.cu[1:j - i + 1].long() - 1]).float()
-        ar += F.cross_entropy(logits, targets[i:j], reduction="sum").item()
-    return tf / n, ar / n
+        with ctx:  # a prefix's prediction is the logit row of its last token
+            ar.append(model.head(model.hidden(b)[b.cu[1:j - i + 1].long() - 1]).float())
+    tf, ar = torch.cat(tf), torch.cat(ar)
+    return F.cross_entropy(tf, targets).item(), F.cross_entropy(ar, targets).item(), (tf - ar).abs().max().item()
 
 
 # ---------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------
-def kernels_run(device) -> bool:  # mirrors flamia's own test: on a CPU the oracle computes attention
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def to_device(b: Batch, device) -> Batch:
-    b = b.to(device)
-    # ONE plan per batch (one host sync), shared by the forward and backward of every layer.
-    # On a CPU the oracle needs no plan, so we don't pay for one.
-    if kernels_run(device):
-        b.plan = flamia.flamia_plan(b.cu)
-    return b
-
-
-def lr_at(cfg: Config, step: int) -> float:
+def lr_at(cfg: Config, step: int) -> float:  # linear warmup, then cosine decay to min_lr
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     t = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
@@ -478,8 +447,8 @@ def lr_at(cfg: Config, step: int) -> float:
 
 @torch.no_grad()
 def evaluate(model, batches, ctx, world, device):
-    tot = torch.zeros(2, dtype=torch.float64, device=device)
-    for b in batches:  # sum of token losses and token count, so ranks with more tokens weigh more
+    tot = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of token losses, tokens)
+    for b in batches:
         with ctx:
             n = (b.targets != -100).sum()
             tot += torch.stack([model(b).double() * n, n.double()])
@@ -489,96 +458,83 @@ def evaluate(model, batches, ctx, world, device):
 
 
 def train(cfg: Config) -> dict:
-    """Train (single process or one torchrun rank); returns the run's history and final val loss."""
+    """Train (one process, or one torchrun rank); returns {"train_loss", "val_loss", "final_val"[, "leak"]}."""
     validate(cfg)
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    cuda = torch.cuda.is_available()
+    rank, world, cuda = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), torch.cuda.is_available()
     if world > 1 and not dist.is_initialized():
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    master = rank == 0
-    log = (lambda *a: tqdm.write(" ".join(map(str, a)))) if master else (lambda *a: None)
-    log(f"torch {torch.__version__}, triton {triton.__version__}, flamia recipes {flamia.RECIPES}; device: "
-        + (torch.cuda.get_device_name(device) if cuda else "no GPU -- running on the CPU (tiny config; attention "
-           "through flamia's PyTorch oracle, the same function the kernels compute)")
-        + (f"; {world} ranks" if world > 1 else ""))
+    device, master = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"), rank == 0
+    log = (lambda msg: tqdm.write(msg)) if master else (lambda msg: None)
+    log(f"torch {torch.__version__}, triton {triton.__version__}; " + (
+        f"GPU: {torch.cuda.get_device_name(device)}" if cuda else "no GPU: running on the CPU (tiny config; "
+        "attention through flamia's PyTorch oracle, the function its kernels compute)") + f"; {world} rank(s)")
     if not cuda and kernels_run(device):
-        log("note: TRITON_INTERPRET=1 -- the kernels run in Triton's interpreter (exact, but ~100x slower)")
+        log("note: TRITON_INTERPRET=1, so flamia runs its kernels in Triton's interpreter (slow)")
     if cfg.unsafe_leaky_attention:
-        log("!" * 100 + "\n!!! WARNING: --unsafe_leaky_attention: mxfp8 with 32-token K/V scale blocks and NO causal "
-            "safeguard.\n!!! Attention LEAKS FUTURE TOKENS through shared scales. For the leak demo only.\n" + "!" * 100)
+        log("!" * 96 + "\n!!! WARNING --unsafe_leaky_attention: mxfp8 with 32-token K/V scale blocks and NO causal "
+            "safeguard.\n!!! Attention LEAKS FUTURE TOKENS through shared scales. Only for the leak demo.\n" + "!" * 96)
 
     train_set, val_set, cfg.vocab_size = load_documents(cfg)
-    if len(train_set) < world or len(val_set) < 1:
-        die(f"too few documents ({len(train_set)} train, {len(val_set)} val) for {world} ranks")
+    if len(train_set) < world:
+        die(f"{len(train_set)} training documents cannot be dealt to {world} ranks")
     packer = Packer(train_set, cfg.tokens_per_batch, cfg.max_doc_len, rank, world, cfg.seed)
-    val_packer = Packer(val_set, cfg.tokens_per_batch, cfg.max_doc_len, rank, world, cfg.seed, loop=False)
-    val_batches = [b for b in (val_packer.next_batch() for _ in range(cfg.eval_batches)) if b is not None]
-    val_batches = [to_device(b, device) for b in val_batches]
-    log(f"data: {len(train_set)} train / {len(val_set)} val documents (pieces of <= {cfg.max_doc_len} tokens), "
+    val_packer = Packer(val_set, cfg.tokens_per_batch, cfg.max_doc_len, rank, world, loop=False)
+    val_batches = [to_device(b, device) for b in (val_packer.next_batch() for _ in range(cfg.eval_batches)) if b]
+    log(f"data: {len(train_set)} train / {len(val_set)} val documents of <= {cfg.max_doc_len} tokens, "
         f"{int((train_set.ends - train_set.starts).sum()):,} train tokens, vocab {cfg.vocab_size}")
 
-    torch.manual_seed(cfg.seed)  # same init on every rank (DDP also broadcasts rank 0's weights)
-    model = Llama(cfg).to(device)
-    n_matmul = sum(p.numel() for p in model.parameters() if p.dim() == 2)  # 6 FLOPs/token each (tied head once)
+    torch.manual_seed(cfg.seed)  # the same init on every rank (DDP broadcasts rank 0's anyway)
+    model = raw = Llama(cfg).to(device)
+    n_matmul = sum(p.numel() for p in model.parameters() if p.dim() == 2)  # the tied head counts once
     log(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, attention {cfg.attn}, "
         f"global batch {cfg.tokens_per_batch * world:,} tokens")
-    # Weight decay on matmul weights only: decaying norm gains pulls them toward 0, not toward "simple".
+    # Weight decay on matmul weights only: decaying RMSNorm gains pulls them toward 0, not toward "simple".
     groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=cuda)
 
     os.makedirs(cfg.out_dir, exist_ok=True)
-    ckpt_path, csv_path = os.path.join(cfg.out_dir, "ckpt.pt"), os.path.join(cfg.out_dir, "log.csv")
-    step, rows = 0, []
+    ckpt_path, csv_path, step, rows = os.path.join(cfg.out_dir, "ckpt.pt"), os.path.join(cfg.out_dir, "log.csv"), 0, []
     if cfg.resume:
         if not os.path.isfile(ckpt_path):
             die(f"--resume: no checkpoint at {ckpt_path}")
         ck = torch.load(ckpt_path, map_location=device, weights_only=False)
-        bad = [f for f in MODEL_FIELDS if ck["config"][f] != getattr(cfg, f)]
-        if bad or len(ck["packers"]) != world:
-            die(f"--resume: checkpoint differs in {bad or 'world size'}; use the same model flags and world size")
+        if [ck["config"][f] for f in MODEL_FIELDS] != [getattr(cfg, f) for f in MODEL_FIELDS] or len(ck["packers"]) != world:
+            die(f"--resume: {ckpt_path} has another model shape or world size ({', '.join(MODEL_FIELDS)})")
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
-        packer.load_state_dict(ck["packers"][rank])
-        torch.set_rng_state(ck["rng"]["cpu"])
-        if cuda and ck["rng"]["cuda"] is not None:
-            torch.cuda.set_rng_state(ck["rng"]["cuda"])
+        packer.load_state_dict(ck["packers"][rank])  # this rank's data position
+        torch.set_rng_state(ck["rng"][0].cpu())  # nothing draws random numbers after init here; dropout would
+        if cuda and ck["rng"][1] is not None:
+            torch.cuda.set_rng_state(ck["rng"][1].cpu())
         step = ck["step"]
-        if os.path.isfile(csv_path):  # keep only rows up to the checkpoint: later ones are redone
+        if os.path.isfile(csv_path):  # rows after the checkpoint are about to be redone
             with open(csv_path) as fh:
                 rows = [r for r in csv.DictReader(fh) if int(r["step"]) <= step]
         log(f"resumed from {ckpt_path} at step {step}")
-    raw = model
     if cfg.compile:
         model = torch.compile(model)
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
-    # bf16 autocast on the GPU (weights and optimizer stay fp32); fp32 on the CPU, where bf16 is slow
+    # bf16 autocast on the GPU (weights and optimizer state stay fp32); plain fp32 on the CPU
     ctx = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
 
     def save(step):
-        packers = [None] * world
+        packers = [packer.state_dict()] * world  # every rank's data position goes into rank 0's checkpoint
         if world > 1:
-            dist.all_gather_object(packers, packer.state_dict())  # every rank's data position
-        else:
-            packers = [packer.state_dict()]
+            dist.all_gather_object(packers, packer.state_dict())
         if master:
-            ck = {"model": raw.state_dict(), "optimizer": opt.state_dict(), "step": step, "packers": packers,
-                  "config": asdict(cfg), "rng": {"cpu": torch.get_rng_state(),
-                                                 "cuda": torch.cuda.get_rng_state() if cuda else None}}
-            torch.save(ck, ckpt_path + ".tmp")
-            os.replace(ckpt_path + ".tmp", ckpt_path)  # atomic: a crash mid-save keeps the old one
+            torch.save({"model": raw.state_dict(), "optimizer": opt.state_dict(), "step": step, "packers": packers,
+                        "config": asdict(cfg),
+                        "rng": (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)}, ckpt_path + ".tmp")
+            os.replace(ckpt_path + ".tmp", ckpt_path)  # atomic: a crash while saving keeps the old one
 
-    history = {"train_loss": [], "val_loss": [], "final_val": None}
-    stop = min(cfg.stop_at or cfg.max_steps, cfg.max_steps)
-    bar = tqdm(total=stop, initial=step, disable=not master, desc="train", dynamic_ncols=True)
-    val = None
+    hist, val, stop = {"train_loss": [], "val_loss": []}, None, min(cfg.stop_at or cfg.max_steps, cfg.max_steps)
+    bar = tqdm(total=stop, initial=step, disable=not master, desc="train", mininterval=1.0)
     while step < stop:
-        t0 = time.time()
-        lr = lr_at(cfg, step)
+        t0, lr = time.time(), lr_at(cfg, step)
         for g in opt.param_groups:
             g["lr"] = lr
         b = to_device(packer.next_batch(), device)
@@ -590,68 +546,62 @@ def train(cfg: Config) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         stats = torch.stack([loss.detach().float(), torch.tensor(float(b.n_real), device=device)])
-        if world > 1:  # report the mean loss over ranks and the tokens of all ranks
+        if world > 1:  # log the mean loss over ranks and the tokens of all ranks
             dist.all_reduce(stats)
             stats[0] /= world
-        loss_v, n_tok = stats.tolist()  # also a sync, so dt below is real time
-        dt = time.time() - t0
-        step += 1
-        tok_s = n_tok / dt
-        history["train_loss"].append((step, loss_v))
-        mfu = train_flops(cfg, n_matmul, b) / dt / (cfg.peak_tflops * 1e12) if cfg.peak_tflops else 0  # per GPU
-        bar.set_postfix_str(f"loss {loss_v:.3f} | {tok_s / 1e3:.1f}k tok/s" + (f" | MFU {mfu:.1%}" if mfu else ""))
+        (loss_v, n_tok), dt, step = stats.tolist(), time.time() - t0, step + 1  # .tolist() syncs: dt is real
+        mfu = train_flops(cfg, n_matmul, b) / dt / (cfg.peak_tflops * 1e12) if cfg.peak_tflops else 0
+        hist["train_loss"].append((step, loss_v))
+        bar.set_postfix_str(f"loss {loss_v:.3f} | {n_tok / dt / 1e3:.1f}k tok/s" + (f" | MFU {mfu:.1%}" if mfu else ""))
         bar.update(1)
         val = evaluate(raw, val_batches, ctx, world, device) if step % cfg.eval_interval == 0 or step == stop else None
         if val is not None:
-            history["val_loss"].append((step, val))
+            hist["val_loss"].append((step, val))
             log(f"step {step}: train loss {loss_v:.4f}, val loss {val:.4f}")
         if step % cfg.log_interval == 0 or val is not None:
             rows.append({"step": step, "train_loss": f"{loss_v:.6f}", "val_loss": "" if val is None else f"{val:.6f}",
-                         "lr": f"{lr:.6g}", "tokens_per_s": f"{tok_s:.1f}"})
+                         "lr": f"{lr:.6g}", "tokens_per_s": f"{n_tok / dt:.1f}"})
         if step % cfg.ckpt_interval == 0 or step == stop:
             save(step)
     bar.close()
-    if step == stop and val is None:  # e.g. --resume at the last step: still report a val loss
+    if val is None:  # no step ran (e.g. --resume of a finished run): still report a val loss
         val = evaluate(raw, val_batches, ctx, world, device)
-        history["val_loss"].append((step, val))
-    history["final_val"] = val
+        hist["val_loss"].append((step, val))
+    hist["final_val"] = val
     if master:
         with open(csv_path, "w", newline="") as fh:
             w = csv.DictWriter(fh, ["step", "train_loss", "val_loss", "lr", "tokens_per_s"])
             w.writeheader()
             w.writerows(rows)
         plot(rows, os.path.join(cfg.out_dir, "loss.png"), cfg)
-        log(f"done: step {step}, final val loss {val:.4f}; wrote {ckpt_path}, {csv_path}, loss.png")
-    if cfg.eval_leak:
-        if master:  # rank 0 alone, on the unwrapped model: the probe is a fixed, small job
-            tf, ar = leak_probe(raw, cfg, val_set, device, ctx)
-            history["leak"] = (tf, ar)
-            log(f"leak probe ({cfg.attn}{', UNSAFE leaky' if cfg.unsafe_leaky_attention else ''}): teacher-forced "
-                f"val loss {tf:.4f}, autoregressive {ar:.4f}, gap (AR - TF) {ar - tf:+.4f} "
-                "(~0 for causal attention; > 0 means the future leaked into teacher forcing)")
-        if world > 1:
-            dist.barrier()
-    return history
+        log(f"done: step {step}, val loss {val:.4f}; wrote {ckpt_path}, {csv_path}, loss.png")
+    if cfg.eval_leak and master:  # rank 0 alone, on the unwrapped model: a small, fixed job
+        tf, ar, diff = hist["leak"] = leak_probe(raw, cfg, val_set, device, ctx)
+        log(f"leak probe ({cfg.attn}{', UNSAFE no safeguard' if cfg.unsafe_leaky_attention else ''}): teacher-forced "
+            f"val loss {tf:.6f}, autoregressive {ar:.6f}, gap {ar - tf:+.2e} (~0: causal; > 0: the future leaked); "
+            f"max |logit difference| {diff:.2e}")
+    if cfg.eval_leak and world > 1:
+        dist.barrier()
+    return hist
 
 
 def plot(rows, path, cfg):
     import matplotlib
-    matplotlib.use("Agg")  # no display needed
+    matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([int(r["step"]) for r in rows], [float(r["train_loss"]) for r in rows], label="train")
     v = [r for r in rows if r["val_loss"]]
     ax.plot([int(r["step"]) for r in v], [float(r["val_loss"]) for r in v], "o-", label="val")
-    ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"Llama {cfg.d_model}x{cfg.n_layers}, attn={cfg.attn}")
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"Llama d{cfg.d_model} x {cfg.n_layers}, attn {cfg.attn}")
     ax.legend()
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
 
 
 def main(argv=None):
-    cfg = parse_config(argv)
     try:
-        train(cfg)
+        return train(parse_config(argv))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
