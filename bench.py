@@ -331,8 +331,8 @@ def bench_tune(args):
     """Sweep kernel tile configs (BLOCK_M, BLOCK_N, warps, stages) on one document and on packed documents."""
     rows = []
     fwd_cfgs = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 4)]
-    bwd_cfgs = [((64, 128, 8, 2), (128, 64, 8, 2)), ((64, 128, 8, 3), (128, 64, 8, 3)),
-                ((32, 128, 4, 3), (128, 32, 4, 3)), ((64, 64, 4, 3), (64, 64, 4, 3))]
+    bwd_cfgs = [((32, 128, 8, 2), (128, 64, 8, 2)), ((32, 128, 8, 3), (128, 64, 8, 3)),
+                ((32, 64, 4, 2), (64, 64, 4, 2)), ((64, 64, 8, 3), (128, 64, 8, 2)), ((64, 128, 8, 2), (128, 64, 8, 2))]
     fwd0, bwd0 = flamia._fwd_config, flamia._bwd_config
     for name, lens, H, HK, D in workloads(True)[:2]:
         T = sum(lens)
