@@ -205,12 +205,14 @@ def _check_offsets(offsets: list, total: int, name: str) -> None:
 class Plan:
     """The schedule of one packed batch: documents, tiles and their order.
 
-    cu_seqlens_q / cu_seqlens_k: int32 (n_docs + 1,) offsets on the tensors' device (k defaults to
-    q: the training case). Build it once per batch; every layer's forward and backward reuse it.
+    cu_seqlens_q / cu_seqlens_k: int32 (n_docs + 1,) offsets (k defaults to q: the training case).
+    device: where the kernels run; default: the cu_seqlens' device. Offsets that are still on the host
+    (a data loader usually has them there) plus device="cuda" make the plan without any GPU sync.
+    Build it once per batch; every layer's forward and backward reuse it.
     """
 
     def __init__(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor = None, total_q: int = None,
-                 total_k: int = None):
+                 total_k: int = None, device=None):
         cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
         _check_cu_seqlens(cu_seqlens_q, total_q, "cu_seqlens_q", None)
         _check_cu_seqlens(cu_seqlens_k, total_k, "cu_seqlens_k", cu_seqlens_q.device)
@@ -221,7 +223,10 @@ class Plan:
         self.offsets_k = self.offsets_q if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k.tolist()
         _check_offsets(self.offsets_q, total_q, "cu_seqlens_q")
         _check_offsets(self.offsets_k, total_k, "cu_seqlens_k")
-        self.device = cu_seqlens_q.device
+        self.device = torch.device(device) if device is not None else cu_seqlens_q.device
+        if cu_seqlens_q.device != self.device:
+            cu_seqlens_q = cu_seqlens_q.to(self.device, non_blocking=True)
+            cu_seqlens_k = cu_seqlens_q if self.offsets_k is self.offsets_q else cu_seqlens_k.to(self.device)
         self.cu_seqlens_q, self.cu_seqlens_k = cu_seqlens_q, cu_seqlens_k
         self.total_q, self.total_k = self.offsets_q[-1], self.offsets_k[-1]
         self.max_seqlen_q = max(b - a for a, b in zip(self.offsets_q, self.offsets_q[1:]))
@@ -241,10 +246,7 @@ class Plan:
     def dense(cls, batch: int, seqlen_q: int, seqlen_k: int, device) -> "Plan":
         """Plan for (B, S, H, D) inputs: B equal documents, built without any host sync."""
         cu = lambda s: torch.arange(0, (batch + 1) * s, s, dtype=torch.int32)
-        plan = cls(cu(seqlen_q), cu(seqlen_k))  # host tensors: no sync
-        plan.device = torch.device(device)
-        plan.cu_seqlens_q, plan.cu_seqlens_k = (c.to(plan.device) for c in (plan.cu_seqlens_q, plan.cu_seqlens_k))
-        return plan
+        return cls(cu(seqlen_q), cu(seqlen_k), device=device)  # host offsets: no sync
 
     def tiles(self, block: int, side: str, causal: bool = True, skip_masked: bool = True) -> torch.Tensor:
         """(n_tiles, 8) int32 tile table (columns TILE_START..OWN_PAD) of `block`-token tiles of the
@@ -1164,9 +1166,10 @@ def _register_plan(plan: Plan) -> Plan:
     return plan
 
 
-def flamia_plan(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor = None) -> Plan:
-    """Build (once per batch) the Plan for these cu_seqlens; pass it as plan= to every layer."""
-    return _register_plan(Plan(cu_seqlens_q, cu_seqlens_k))
+def flamia_plan(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor = None, device=None) -> Plan:
+    """Build (once per batch) the Plan for these cu_seqlens; pass it as plan= to every layer.
+    With host cu_seqlens and device="cuda" it costs no GPU sync (see Plan)."""
+    return _register_plan(Plan(cu_seqlens_q, cu_seqlens_k, device=device))
 
 
 def _plan_for(cu_q: torch.Tensor, cu_k: torch.Tensor, dense: list) -> Plan:
@@ -1335,6 +1338,11 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     if plan is not None:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a flamia.Plan (from flamia_plan), got {type(plan).__name__}")
+        for name, cu, mine in (("cu_seqlens_q", cu_seqlens_q, plan.cu_seqlens_q),
+                               ("cu_seqlens_k", cu_seqlens_k, plan.cu_seqlens_k)):
+            if cu is not None and cu is not mine and cu.shape != mine.shape:
+                raise ValueError(f"{name} describes {cu.numel() - 1} documents but the plan was built for "
+                                 f"{mine.numel() - 1}")
         cu_seqlens_q, cu_seqlens_k = plan.cu_seqlens_q, plan.cu_seqlens_k
     for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]), ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
         _check_cu_seqlens(cu, total, name, q.device)
