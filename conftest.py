@@ -4,13 +4,13 @@ import os
 import numpy as np
 import pytest
 import torch
-from triton import knobs  # knobs read os.environ on every access, so importing triton first is fine
 
-# @triton.jit picks JITFunction vs InterpretedFunction when it *decorates* (it reads
-# knobs.runtime.interpret, i.e. TRITON_INTERPRET, at that moment). pytest imports this conftest
-# before test_flamia.py imports flamia, so setting the variable here is early enough.
+# @triton.jit picks JITFunction vs InterpretedFunction when it *decorates*, and importing triton
+# already decorates triton.language's own helpers (tl.max, tl.sum, ...): so the variable must be set
+# before triton is imported at all. pytest imports this conftest before test_flamia.py imports flamia.
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+from triton import knobs  # noqa: E402  (after TRITON_INTERPRET, see above)
 
 
 def _patch_interpreter():

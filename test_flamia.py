@@ -505,11 +505,14 @@ def test_triton_nvfp4_quantizer_bit_identical(dtype, D):
         plan, side = (flamia.Plan(cu_of([5] * len(lens)), cu), "k") if li == 2 else (flamia.Plan(cu), "q")
         flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
         packed, sb, s2 = flamia.quantize_nvfp4(x, plan, side, nonfinite_flag=flag)
-        rp, rsb, rs2 = flamia.quantize_nvfp4_reference(x)
-        assert_bitwise(packed, rp, f"layout {lens}: packed codes")
-        assert_bitwise(sb, rsb, f"layout {lens}: block scales")
-        assert_bitwise(s2.t(), rs2, f"layout {lens}: per-token scales")
         assert int(flag) == 0
+        # On CUDA first against the reference evaluated on the CPU (IEEE divisions), then on the GPU:
+        # the failure message then says which side moved.
+        for where in (["cpu", DEVICE] if DEVICE == "cuda" else [DEVICE]):
+            rp, rsb, rs2 = flamia.quantize_nvfp4_reference(x.to(where))
+            assert_bitwise(s2.t().cpu(), rs2.cpu(), f"layout {lens}: per-token scales vs reference on {where}")
+            assert_bitwise(sb.cpu(), rsb.cpu(), f"layout {lens}: block scales vs reference on {where}")
+            assert_bitwise(packed.cpu(), rp.cpu(), f"layout {lens}: packed codes vs reference on {where}")
 
 
 def test_triton_nvfp4_quantizer_nonfinite():
@@ -793,13 +796,22 @@ def test_plan_rejects_cu_seqlens_not_ending_at_total(which):
 # error (the oracle's output rounded to the input dtype, as the API returns it) + 1e-3.
 O_TOL = {"mxfp8": 3e-2, "nvfp4": 3e-2, "bf16": 5e-3}
 LSE_TOL = 1e-4
+# Exception: Hopper's fp8 tensor cores (mxfp8 with backend="wgmma" on CUDA) accumulate Q K^T with
+# reduced precision (~14 mantissa bits, not fp32; cf. DeepSeek-V3 tech report, 3.3.2), so there
+# S -- hence LSE -- moves by up to ~6e-4 (measured on H200 at D=128): |dLSE| <= 1e-3 there.
+LSE_TOL_FP8_MMA = 1e-3
 
 
-def _check_forward(o, lse, ro, rlse, f64, recipe, what):
+def lse_tol(recipe, backend="wgmma"):
+    return LSE_TOL_FP8_MMA if DEVICE == "cuda" and recipe == "mxfp8" and backend == "wgmma" else LSE_TOL
+
+
+def _check_forward(o, lse, ro, rlse, f64, recipe, what, backend="wgmma"):
     fin = rlse.isfinite()
     assert torch.equal(lse.isfinite(), fin), f"{what}: LSE finite pattern differs"
     dl = (lse - rlse)[fin].abs()
-    assert dl.max() <= LSE_TOL, f"{what}: LSE max |diff| {dl.max():.3e} mean {dl.mean():.3e} > {LSE_TOL}"
+    tol = lse_tol(recipe, backend)
+    assert dl.max() <= tol, f"{what}: LSE max |diff| {dl.max():.3e} mean {dl.mean():.3e} > {tol}"
     err_o = assert_rel(o, ro, O_TOL[recipe], f"{what}: O vs oracle")
     err_k, err_r = rel_l2(o, f64), rel_l2(ro.to(o.dtype), f64)
     print(f"[measured] {what}: LSE max|diff| {dl.max():.2e}; O rel L2 vs oracle {err_o:.4f}, "
@@ -879,19 +891,22 @@ def test_forward_safeguard_numerics():
 
 
 def test_forward_dot_scaled_backend():
-    """backend="dot_scaled" (E8M0 scales inside tl.dot_scaled; runs in the interpreter with triton 3.9)
-    computes the same function as the default wgmma path: S differs only in summation order, so LSE
-    agrees to 1e-5 and O to rel L2 1e-3 (a P element may flip one E4M3 rounding); vs the oracle it
-    meets the usual mxfp8 tolerances."""
+    """backend="dot_scaled" (E8M0 scales inside tl.dot_scaled; runs in the interpreter with triton 3.9,
+    emulated through bf16 on Hopper) computes the same function as the default wgmma path: each meets
+    the oracle tolerances above, and their outputs agree to rel L2 <= 1e-3 in the interpreter (S
+    differs only in summation order; measured 0) and <= 5e-3 on CUDA (Hopper's fp8 wgmma accumulation,
+    see LSE_TOL_FP8_MMA, moves some P elements across an E4M3 rounding boundary; measured 2.0e-3 on
+    H200, where dot_scaled, emulated through bf16, meets the oracle's LSE to 1e-6)."""
     q, k, v = qkv(13, sum(LENS_FWD))
     kw = dict(causal=True, recipe="mxfp8", block_tokens=32, return_lse=True)
-    o, lse = api(q, k, v, LENS_FWD, backend="dot_scaled", **kw)
-    ow, lsew = api(q, k, v, LENS_FWD, backend="wgmma", **kw)
-    dl = (lse - lsew)[lsew.isfinite()].abs()
-    assert dl.max() <= 1e-5, f"LSE dot_scaled vs wgmma: max {dl.max():.3e} mean {dl.mean():.3e}"
-    assert_rel(o, ow, 1e-3, "O dot_scaled vs wgmma")
     ro, rlse = flamia.reference_attention(q, k, v, cu_of(LENS_FWD), **kw)
-    _check_forward(o, lse, ro, rlse, flamia.attention_fp64(q, k, v, cu_of(LENS_FWD)), "mxfp8", "dot_scaled")
+    f64 = flamia.attention_fp64(q, k, v, cu_of(LENS_FWD))
+    out = {}
+    for backend in ("dot_scaled", "wgmma"):
+        out[backend] = api(q, k, v, LENS_FWD, backend=backend, **kw)
+        _check_forward(*out[backend], ro, rlse, f64, "mxfp8", backend, backend)
+    err = assert_rel(out["dot_scaled"][0], out["wgmma"][0], 5e-3 if DEVICE == "cuda" else 1e-3, "O dot_scaled vs wgmma")
+    print(f"[measured] O dot_scaled vs wgmma rel L2 {err:.2e}")
 
 
 # ---------------------------------------------------------------------------------------------
