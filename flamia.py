@@ -305,24 +305,17 @@ def token_block_start(cu_seqlens: torch.Tensor, total: int, block_tokens: int) -
 # wants its second operand K-major, so the Triton quantizer also writes a token-transposed copy
 # (H, D, T_padded) in the same pass when asked (each document starts at a 16-token boundary).
 class MXFP8(tuple):
-    """A quantized (T, H, D) tensor: data (T, H, D) float8_e4m3fn; scale (H, T) fp32, the E8M0 scale
-    of each token's block held in a 4-byte word (exactly 2^(e - 127), NaN for 0xFF) so that kernels
-    can prefetch it with asynchronous copies (single bytes cannot be); exp (H, T) uint8 is the E8M0
-    byte itself (the fp32 exponent field); data_t (H, D, T_padded) or None: token-transposed data,
-    each document starting at a multiple of 16 tokens."""
+    """A quantized (T, H, D) tensor: data (T, H, D) float8_e4m3fn, exp (H, T) uint8 E8M0,
+    data_t (H, D, T_padded) float8_e4m3fn or None (token-transposed, documents 16-aligned)."""
     __slots__ = ()
 
-    def __new__(cls, data, scale, data_t=None):
-        return super().__new__(cls, (data, scale, data_t))
+    def __new__(cls, data, exp, data_t=None):
+        return super().__new__(cls, (data, exp, data_t))
 
-    data, scale, data_t = property(lambda s: s[0]), property(lambda s: s[1]), property(lambda s: s[2])
-
-    @property
-    def exp(self) -> torch.Tensor:
-        return ((self.scale.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    data, exp, data_t = property(lambda s: s[0]), property(lambda s: s[1]), property(lambda s: s[2])
 
     def dequantize(self) -> torch.Tensor:
-        return self.data.float() * self.scale.t()[..., None]
+        return self.data.float() * e8m0_to_float(self.exp).t()[..., None]
 
 
 def quantize_mxfp8_reference(x: torch.Tensor, cu_seqlens: torch.Tensor, block_tokens: int = 1) -> MXFP8:
@@ -339,7 +332,7 @@ def quantize_mxfp8_reference(x: torch.Tensor, cu_seqlens: torch.Tensor, block_to
     e = e8m0_exponent(amax)  # (T, H)
     inv = torch.ldexp(torch.ones_like(amax), 127 - e.int().clamp(max=253))  # 1/s, exact; NaN blocks overwritten
     data = e4m3_encode(x.float() * inv[..., None], e[..., None])
-    return MXFP8(data, e8m0_to_float(e).t().contiguous())
+    return MXFP8(data, e.t().contiguous())
 
 
 def transpose_tokens_reference(data: torch.Tensor, offsets: list) -> torch.Tensor:
@@ -373,28 +366,16 @@ def _exp2_int(e):
 
 
 @triton.jit
-def _unbiased_exponent(scale):
-    """log2 of a power-of-two fp32 scale, as int32 (read from the exponent field; 128 for NaN)."""
-    return ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-
-
-@triton.jit
-def _e8m0_byte(scale):
-    """The E8M0 byte of an fp32 scale (its exponent field), for tl.dot_scaled."""
-    return ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
-
-
-@triton.jit
-def _quantize_store(x, amax, offs_t, offs_d, in_doc, doc_start, doc_pad, h, Y, S, YT, T, T_PAD,
+def _quantize_store(x, amax, offs_t, offs_d, in_doc, doc_start, doc_pad, h, Y, E, YT, T, T_PAD,
                     H: tl.constexpr, D: tl.constexpr, WRITE_T: tl.constexpr):
     e = _scale_exponent(amax)
     inv = _exp2_int(254 - tl.minimum(e, 253))  # 1/s = 2^(127 - e), exact
     y = tl.where(e[:, None] == 255, float("nan"), x * inv[:, None]).to(tl.float8e4nv)  # RNE, saturating
     tl.store(Y + (offs_t[:, None] * H + h) * D + offs_d[None, :], y, mask=in_doc[:, None])
-    tl.store(S + h * T + offs_t, tl.where(e == 255, float("nan"), _exp2_int(e)), mask=in_doc)  # E8M0 as fp32
-    if WRITE_T:  # (H, D, T_pad): write the transposed tile, contiguous along tokens
+    tl.store(E + h * T + offs_t, e.to(tl.uint8), mask=in_doc)
+    if WRITE_T:
         offs_p = doc_pad + (offs_t - doc_start)
-        tl.store(YT + (h * D + offs_d[:, None]) * T_PAD + offs_p[None, :], tl.trans(y), mask=in_doc[None, :])
+        tl.store(YT + (h * D + offs_d[None, :]) * T_PAD + offs_p[:, None], y, mask=in_doc[:, None])
 
 
 @triton.jit
@@ -414,7 +395,7 @@ def _load_quant_tile(X, TILES, stride_xt, stride_xh, D: tl.constexpr, BLOCK_T: t
 @triton.jit
 def _quantize_kernel(
         X, TILES, FLAG,  # input (T, H, D), the Plan's 128-token tiles, int32 non-finite flag
-        Y, S, YT, Y_TOK, S_TOK, YT_TOK,  # outputs: data (T, H, D), scale (H, T), data_t (H, D, T_pad); *_TOK per token
+        Y, E, YT, Y_TOK, E_TOK, YT_TOK,  # outputs: data (T, H, D), exp (H, T), data_t (H, D, T_pad); *_TOK per token
         stride_xt, stride_xh, T, T_PAD,  # strides of X (last dim contiguous); token counts
         H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
         WRITE_T: tl.constexpr, WRITE_TOK: tl.constexpr):
@@ -425,12 +406,12 @@ def _quantize_kernel(
     # Non-finite input: make amax +inf so the scale becomes NaN (tl.max may drop a NaN).
     amax = tl.where(bad != 0, float("inf"), tl.max(tl.abs(x), axis=1))  # (BLOCK_T,) per token
     if WRITE_TOK:  # the per-token copy the causal safeguard uses on the diagonal
-        _quantize_store(x, amax, offs_t, offs_d, in_doc, doc_start, doc_pad, h, Y_TOK, S_TOK, YT_TOK, T, T_PAD,
+        _quantize_store(x, amax, offs_t, offs_d, in_doc, doc_start, doc_pad, h, Y_TOK, E_TOK, YT_TOK, T, T_PAD,
                         H, D, WRITE_T)
     if BLOCK_TOKENS > 1:  # the tile starts at a block boundary and holds BLOCK_T // B_t whole blocks
         amax = tl.max(tl.reshape(amax, (BLOCK_T // BLOCK_TOKENS, BLOCK_TOKENS)), axis=1)
         amax = tl.reshape(tl.broadcast_to(amax[:, None], (BLOCK_T // BLOCK_TOKENS, BLOCK_TOKENS)), (BLOCK_T,))
-    _quantize_store(x, amax, offs_t, offs_d, in_doc, doc_start, doc_pad, h, Y, S, YT, T, T_PAD, H, D, WRITE_T)
+    _quantize_store(x, amax, offs_t, offs_d, in_doc, doc_start, doc_pad, h, Y, E, YT, T, T_PAD, H, D, WRITE_T)
     tl.store(FLAG, 1, mask=tl.max(bad) != 0)  # any non-finite value: the host raises if asked
 
 
@@ -454,7 +435,7 @@ def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str
 
     def alloc():
         return MXFP8(torch.empty(T, H, D, dtype=torch.float8_e4m3fn, device=x.device),
-                     torch.empty(H, T, dtype=torch.float32, device=x.device),
+                     torch.empty(H, T, dtype=torch.uint8, device=x.device),
                      torch.empty(H, D, t_pad, dtype=torch.float8_e4m3fn, device=x.device) if transposed else None)
     out = alloc()
     tok = alloc() if per_token_copy else out
@@ -463,9 +444,9 @@ def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str
     if tiles.shape[0] > 0:
         dt = lambda m: m.data_t if transposed else m.data  # unused pointer when not transposed
         _quantize_kernel[(tiles.shape[0], H)](
-            x, tiles, flag, out.data, out.scale, dt(out), tok.data, tok.scale, dt(tok),
+            x, tiles, flag, out.data, out.exp, dt(out), tok.data, tok.exp, dt(tok),
             x.stride(0), x.stride(1), T, t_pad, H=H, D=D, BLOCK_T=QUANT_TILE, BLOCK_TOKENS=block_tokens,
-            WRITE_T=transposed, WRITE_TOK=per_token_copy, num_warps=8)  # 8 warps: no register spills
+            WRITE_T=transposed, WRITE_TOK=per_token_copy, num_warps=4)
     return (out, tok) if per_token_copy else out
 
 
@@ -667,7 +648,7 @@ def _load_qk(PTR, SB, SCALE, offs_t, h, HEADS, T, mask, ROWS: tl.constexpr, D: t
         offs_d = tl.arange(0, D)
         tile = tl.load(PTR + (offs_t[:, None] * HEADS + h) * D + offs_d[None, :], mask=mask[:, None], other=0.0)
         if QUANT:
-            scale = tl.load(SCALE + h * T + offs_t, mask=mask, other=1.0)
+            scale = _exp2_int(tl.load(SCALE + h * T + offs_t, mask=mask, other=127).to(tl.int32))
         else:
             scale = tl.full((ROWS,), 1.0, tl.float32)
     return tile, scale
@@ -709,7 +690,7 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, q, qscale, q_e8, sm_scale_log2, start_n
     # scale * log2 e) is applied inside the exp2's FMA below, and the row max is taken before it:
     # qscale > 0, so max_j(s * qscale) = qscale * max_j(s) exactly (rounding is monotonic).
     if DOT_SCALED:  # Blackwell: E8M0 scales applied by the tensor core, 32 head-dim elements each
-        ek8 = _e8m0_byte(tl.load(EK + hk * T_K + offs_n, mask=kmask, other=1.0))
+        ek8 = tl.load(EK + hk * T_K + offs_n, mask=kmask, other=127)
         s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), tl.broadcast_to(ek8[:, None], (BLOCK_N, D // 32)), "e4m3")
     elif QUANT:
         s = tl.dot(q, tl.trans(k)) * kscale[None, :]
@@ -726,7 +707,7 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, q, qscale, q_e8, sm_scale_log2, start_n
             if not QK_FP4:  # NVFP4 K is per token already: only V needs the per-token copy
                 ks, kscale_s = _load_qk(KS, KSB, EKS, offs_n, hk, HK, T_K, kmask, BLOCK_N, D, QUANT, QK_FP4)
                 if DOT_SCALED:
-                    eks8 = _e8m0_byte(tl.load(EKS + hk * T_K + offs_n, mask=kmask, other=1.0))
+                    eks8 = tl.load(EKS + hk * T_K + offs_n, mask=kmask, other=127)
                     s_tok = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(ks), tl.broadcast_to(
                         eks8[:, None], (BLOCK_N, D // 32)), "e4m3")
                 else:
@@ -737,13 +718,11 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, q, qscale, q_e8, sm_scale_log2, start_n
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
     alpha = tl.exp2(m_i - m_use)
     if QUANT:
-        vscale = tl.load(EV + hk * T_K + offs_n, mask=kmask, other=1.0)  # V's per-key scale 2^ev
-        ev = _unbiased_exponent(vscale)
+        ev = tl.load(EV + hk * T_K + offs_n, mask=kmask, other=1).to(tl.int32) - 127
         if MASKED:
             ev2 = tl.where(visible, ev[None, :], -1000)
             if SAFEGUARD:
-                vscale_s = tl.load(EVS + hk * T_K + offs_n, mask=kmask, other=1.0)
-                evs = _unbiased_exponent(vscale_s)
+                evs = tl.load(EVS + hk * T_K + offs_n, mask=kmask, other=1).to(tl.int32) - 127
                 ev2 = tl.where(same, evs[None, :], ev2)
             ref_new = tl.maximum(ref_i, tl.max(ev2, 1))
         else:
@@ -760,13 +739,13 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, q, qscale, q_e8, sm_scale_log2, start_n
         else:
             v = tl.load(V + v_ptrs)
         if SAFEGUARD:
-            p8 = tl.where(same, 0.0, p_r * vscale[None, :]).to(tl.float8e4nv)
+            p8 = tl.where(same, 0.0, p_r * _exp2_int(ev + 127)[None, :]).to(tl.float8e4nv)
             acc = tl.dot(p8, v, acc)
             vs = tl.load(VS + v_ptrs, mask=kmask[:, None], other=0.0)
-            p8 = tl.where(same, p_r * vscale_s[None, :], 0.0).to(tl.float8e4nv)
+            p8 = tl.where(same, p_r * _exp2_int(evs + 127)[None, :], 0.0).to(tl.float8e4nv)
             acc = tl.dot(p8, vs, acc)
         else:  # p~ = p * 2^(ev - ref + 8) <= 2^8: inside E4M3's range, no saturation
-            acc = tl.dot((p_r * vscale[None, :]).to(tl.float8e4nv), v, acc)
+            acc = tl.dot((p_r * _exp2_int(ev + 127)[None, :]).to(tl.float8e4nv), v, acc)
         ref_i = ref_new
     else:
         p = tl.exp2(s * qscale[:, None] - m_use[:, None])
@@ -782,7 +761,7 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, q, qscale, q_e8, sm_scale_log2, start_n
 
 @triton.jit
 def _attn_fwd(
-        Q, EQ, K, EK, V, EV, KS, EKS, VS, EVS,  # operands: data and (H, T) fp32 scales; *S = per-token copies
+        Q, EQ, K, EK, V, EV, KS, EKS, VS, EVS,  # operands: data and (H, T) E8M0 exponents; *S = per-token copies
         QSB, KSB,  # nvfp4: E4M3 block scales of Q and K (then EQ, EK hold the FP32 second-level scales)
         O, LSE, TILES,  # outputs (Tq, H, D) and (H, Tq) natural-log LSE; the Plan's query tiles
         stride_vh, stride_vd, stride_vt,  # V's layout: token-transposed (H, D, T_pad) for fp8, else (T, H, D)
@@ -806,8 +785,7 @@ def _attn_fwd(
     qscale = qscale * sm_scale_log2  # the row factor of S, log2 domain
     q_e8 = q  # unused unless DOT_SCALED
     if DOT_SCALED:  # the tensor core applies Q's scale; the row factor is the softmax scale alone
-        q_e8 = tl.broadcast_to(_e8m0_byte(tl.load(EQ + h * T_Q + offs_m, mask=qmask, other=1.0))[:, None],
-                               (BLOCK_M, D // 32))
+        q_e8 = tl.broadcast_to(tl.load(EQ + h * T_Q + offs_m, mask=qmask, other=127)[:, None], (BLOCK_M, D // 32))
         qscale = tl.full((BLOCK_M,), sm_scale_log2, tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -842,7 +820,7 @@ def _fwd_config(D: int, quant: bool):
 
 def _quantize_qkv(q, k, v, plan, recipe, block_tokens, safeguard, flag):
     """Quantize the forward's operands, one quantizer launch per tensor. Returns a dict of the operands the
-    kernels read: "q", "k", "ks" as (data, scale, block scale) — mxfp8: (E4M3, E8M0 scales as fp32, unused);
+    kernels read: "q", "k", "ks" as (data, scale, block scale) — mxfp8: (E4M3, E8M0 exponents, unused);
     nvfp4: (packed E2M1, FP32 second level, E4M3 block scales) — and "v", "vs" as MXFP8 with the
     token-transposed copy. "ks", "vs" are the per-token copies of the safeguard (or K, V themselves)."""
     none = q.new_empty(0)
@@ -852,13 +830,13 @@ def _quantize_qkv(q, k, v, plan, recipe, block_tokens, safeguard, flag):
         ops["ks"] = ops["k"]
     else:
         q8 = quantize_mxfp8(q, plan, 1, "q", nonfinite_flag=flag)  # Q per token: its scale must not span rows
-        ops = {"q": (q8.data, q8.scale, none)}
+        ops = {"q": (q8.data, q8.exp, none)}
         if safeguard:
             k8, ks8 = quantize_mxfp8(k, plan, block_tokens, "k", per_token_copy=True, nonfinite_flag=flag)
-            ops["ks"] = (ks8.data, ks8.scale, none)
+            ops["ks"] = (ks8.data, ks8.exp, none)
         else:
             k8 = quantize_mxfp8(k, plan, block_tokens, "k", nonfinite_flag=flag)
-        ops["k"] = (k8.data, k8.scale, none)
+        ops["k"] = (k8.data, k8.exp, none)
         ops.setdefault("ks", ops["k"])
     if safeguard:
         ops["v"], ops["vs"] = quantize_mxfp8(v, plan, block_tokens, "k", transposed=True, per_token_copy=True,
@@ -881,7 +859,7 @@ def _attn_forward(q, k, v, plan: Plan, *, causal, softmax_scale, recipe, block_t
     if quant:
         ops = _quantize_qkv(q, k, v, plan, recipe, block_tokens, safeguard, flag)
         (Qd, EQ, QSB), (Kd, EK, KSB), (KS, EKS, _) = ops["q"], ops["k"], ops["ks"]
-        Vd, EV, VS, EVS = ops["v"].data_t, ops["v"].scale, ops["vs"].data_t, ops["vs"].scale
+        Vd, EV, VS, EVS = ops["v"].data_t, ops["v"].exp, ops["vs"].data_t, ops["vs"].exp
         strides_v = (D * plan.padded_k, plan.padded_k, 1)  # (H, D, T_pad) token-transposed
     else:
         ops = {}
@@ -938,7 +916,7 @@ def _attn_bwd_dkdv_step(dk, dv, k, v, ks, vs, kscale, vscale, kscale_s, vscale_s
     qsl = qs * sm_scale_log2  # Q's scale * softmax scale * log2(e)
     dos = qs  # dO's per-query scale (1 for bf16)
     if QUANT:
-        dos = tl.load(EDO + hq * T_Q + offs_m, mask=qmask, other=1.0)
+        dos = _exp2_int(tl.load(EDO + hq * T_Q + offs_m, mask=qmask, other=127).to(tl.int32))
         st = tl.dot(k, tl.trans(q)) * kscale[:, None]  # S^T without the column factor
         dpt = tl.dot(v, tl.trans(do)) * vscale[:, None]
     else:
@@ -993,12 +971,12 @@ def _attn_bwd_dkdv(
     vscale = tl.full((BLOCK_N,), 1.0, tl.float32)
     kscale_s, vscale_s = kscale, vscale
     if QUANT:
-        vscale = tl.load(EV + hk * T_K + offs_n, mask=kmask, other=1.0)
+        vscale = _exp2_int(tl.load(EV + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32))
         if SAFEGUARD:
             if not QK_FP4:  # NVFP4 K is per token already
                 ks, kscale_s = _load_qk(KS, KSB, EKS, offs_n, hk, HK, T_K, kmask, BLOCK_N, D, QUANT, QK_FP4)
             vs = tl.load(VS + ptrs, mask=kmask[:, None], other=0.0)
-            vscale_s = tl.load(EVS + hk * T_K + offs_n, mask=kmask, other=1.0)
+            vscale_s = _exp2_int(tl.load(EVS + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32))
     sm_scale_log2 = sm_scale * 1.4426950408889634
     # Query tiles of the document that see this key tile: masked ones first (the diagonal, and the
     # safeguard's straddling blocks), then those every row of which sees every key, then the
@@ -1051,7 +1029,7 @@ def _attn_bwd_dq_step(dq, q, do, qscale_log2, doscale, lse2, delta, start_n, off
     k, kscale = _load_qk(K, KSB, EK, offs_n, hk, HK, T_K, kmask, BLOCK_N, D, QUANT, QK_FP4)
     v = tl.load(V + ptrs, mask=kmask[:, None], other=0.0)
     if QUANT:  # column (key) scales on the MMA results; row factors ride in the FMAs below
-        vscale = tl.load(EV + hk * T_K + offs_n, mask=kmask, other=1.0)
+        vscale = _exp2_int(tl.load(EV + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32))
         s = tl.dot(q, tl.trans(k)) * kscale[None, :]
         dp = tl.dot(do, tl.trans(v)) * vscale[None, :]
     else:
@@ -1070,7 +1048,7 @@ def _attn_bwd_dq_step(dq, q, do, qscale_log2, doscale, lse2, delta, start_n, off
                 ks, kscale_s = _load_qk(KS, KSB, EKS, offs_n, hk, HK, T_K, kmask, BLOCK_N, D, QUANT, QK_FP4)
                 s = tl.where(same, tl.dot(q, tl.trans(ks)) * kscale_s[None, :], s)
             vs = tl.load(VS + ptrs, mask=kmask[:, None], other=0.0)
-            vscale_s = tl.load(EVS + hk * T_K + offs_n, mask=kmask, other=1.0)
+            vscale_s = _exp2_int(tl.load(EVS + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32))
             dp = tl.where(same, tl.dot(do, tl.trans(vs)) * vscale_s[None, :], dp)
         s = tl.where(visible, s, float("-inf"))
     p = tl.exp2(s * qscale_log2[:, None] - lse2[:, None])
@@ -1116,7 +1094,7 @@ def _attn_bwd_dq(
     qscale_log2 = qscale * sm_scale_log2
     doscale = qscale  # unused unless QUANT
     if QUANT:
-        doscale = tl.load(EDO + h * T_Q + offs_m, mask=qmask, other=1.0)
+        doscale = _exp2_int(tl.load(EDO + h * T_Q + offs_m, mask=qmask, other=127).to(tl.int32))
     n_full, hi = _key_range(q_start, q_end, qd_start, shift, kd_start, kd_end, BLOCK_N, BLOCK_TOKENS, CAUSAL,
                             SAFEGUARD)
     dq = tl.zeros((BLOCK_M, D), tl.float32)
@@ -1149,8 +1127,8 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, *, causal, softmax_scal
     if quant:
         do8 = quantize_mxfp8(do, plan, block_tokens, "q")
         (Qd, EQ, QSB), (Kd, EK, KSB), (KS, EKS, _) = ops["q"], ops["k"], ops["ks"]
-        operands = (Qd, EQ, Kd, EK, ops["v"].data, ops["v"].scale, KS, EKS, ops["vs"].data, ops["vs"].scale,
-                    do8.data, do8.scale, QSB, KSB)
+        operands = (Qd, EQ, Kd, EK, ops["v"].data, ops["v"].exp, KS, EKS, ops["vs"].data, ops["vs"].exp,
+                    do8.data, do8.exp, QSB, KSB)
     else:
         q, k, v = (x.contiguous() for x in (q, k, v))
         operands = (q, delta, k, delta, v, delta, k, delta, v, delta, do, delta, delta, delta)  # scales unused
@@ -1220,8 +1198,8 @@ def _pack_saved(ops):
     """The forward's operands as a flat list of distinct tensors (custom-op outputs may not alias):
     a per-token copy that is K or V itself travels as an empty tensor."""
     ks = ops["ks"][:2] if ops["ks"] is not ops["k"] else (None, None)
-    vs = (ops["vs"].data, ops["vs"].scale) if ops["vs"] is not ops["v"] else (None, None)
-    flat = [*ops["q"], *ops["k"], *ks, ops["v"].data, ops["v"].scale, *vs]
+    vs = (ops["vs"].data, ops["vs"].exp) if ops["vs"] is not ops["v"] else (None, None)
+    flat = [*ops["q"], *ops["k"], *ks, ops["v"].data, ops["v"].exp, *vs]
     return [t if t is not None and t.numel() else torch.empty(0, device=ops["flag"].device) for t in flat]
 
 
@@ -1259,7 +1237,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale, recipe,
     f8, u8, e = torch.float8_e4m3fn, torch.uint8, lambda: q.new_empty(0, dtype=torch.float32)
     if recipe == "bf16":
         return [torch.empty_like(q), q.new_empty(H, Tq, dtype=torch.float32)] + [e() for _ in range(_SAVED)]
-    mx = lambda T, h: [q.new_empty(T, h, D, dtype=f8), q.new_empty(h, T, dtype=torch.float32)]
+    mx = lambda T, h: [q.new_empty(T, h, D, dtype=f8), q.new_empty(h, T, dtype=u8)]
     tok = causal and safeguard and block_tokens > 1
     if recipe == "nvfp4":
         fp4 = lambda T, h: [q.new_empty(T, h, D // 2, dtype=u8), q.new_empty(h, T, dtype=torch.float32),
