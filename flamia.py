@@ -1464,3 +1464,22 @@ def audit_causality(attn_fn, *, heads=2, kv_heads=None, head_dim=64, doc_lens=AU
                         findings.append(dict(doc=d, position=p, tensor=name, kind=kind, rows=int(rows.sum()),
                                              max_abs_change=float(diff[rows].nan_to_num(float("inf")).max())))
     return findings
+
+
+def varlen_adapter(dense_fn):
+    """Wrap a causal attention callable on (batch, seqlen, heads, head_dim) tensors so that
+    audit_causality can drive it: the documents become the batch (padded with zeros at their end,
+    which a causal row never sees), all in ONE call, so statistics shared across the batch (a
+    per-tensor scale, say) show up as document leaks."""
+    def fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+        offs = [(a, b) for a, b in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist()) if b > a]
+        S = max(b - a for a, b in offs)
+
+        def batch(x):  # (T, H, D) -> (B, S, H, D)
+            out = x.new_zeros(len(offs), S, *x.shape[1:])
+            for i, (a, b) in enumerate(offs):
+                out[i, :b - a] = x[a:b]
+            return out
+        o = dense_fn(batch(q), batch(k), batch(v))
+        return torch.cat([o[i, :b - a] for i, (a, b) in enumerate(offs)])
+    return fn

@@ -1473,3 +1473,19 @@ def test_bad_input_exit_code_of_the_process():
     r = subprocess.run([sys.executable, SCRIPT, "--attn", "fp4"], cwd=HERE, env=_env(cpu=True), capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--attn 'fp4'" in r.stderr, r.stderr
+
+
+def test_varlen_adapter_audits_batched_callables(cpu_training):
+    """audit_causality on a (B, S, H, D) callable through flamia.varlen_adapter: exact causal attention
+    is clean; a per-tensor FP8 scale taken over the whole batch leaks both ways (future, document)."""
+    def exact(q, k, v):  # (B, S, H, D) causal attention in fp32
+        return torch.nn.functional.scaled_dot_product_attention(
+            *(x.float().transpose(1, 2) for x in (q, k, v)), is_causal=True).transpose(1, 2)
+
+    def per_tensor_fp8(q, k, v):
+        fq = lambda x: (lambda s: (x.float() * s).to(torch.float8_e4m3fn).float() / s)(448 / x.float().abs().amax())
+        return exact(fq(q), fq(k), fq(v))
+    kw = dict(device="cpu", doc_lens=(33, 1, 31, 0, 40), tensors=("k",))
+    assert flamia.audit_causality(flamia.varlen_adapter(exact), **kw) == []
+    kinds = {f["kind"] for f in flamia.audit_causality(flamia.varlen_adapter(per_tensor_fp8), **kw)}
+    assert kinds == {"future", "document"}, kinds
