@@ -190,9 +190,12 @@ def cudnn_impls(lens, H, HK, D):
                     buf[n] = one(448.0 if n == "scale_s" else 1 / 448.0 if n == "descale_s" else 1.0)
             pack = {x: buf[n] for n, x in t.items()}
             return lambda: g.execute(pack, ws, handle=handle)
-        f, b = graph(False), graph(True)
-        f()
-        out[name] = (f, lambda f=f, b=b: (f(), b()))
+        try:
+            f, b = graph(False), graph(True)
+            f()
+            out[name] = (f, lambda f=f, b=b: (f(), b()))
+        except Exception as e:  # e.g. cuDNN declines FP8 graphs it does not support on this GPU
+            print(f"  {name}: skipped ({type(e).__name__}: {str(e)[:120]})")
     return out
 
 
