@@ -463,13 +463,11 @@ def bench_audit(args):
     rows = []
     for name, fn in audit_impls().items():
         t0 = time.time()
+        # cuDNN's ragged layout is not given the empty document: a crash there (seen once: "illegal
+        # instruction", layout not isolated yet) would poison the CUDA context for everything after it.
+        lens = tuple(L for L in flamia.AUDIT_DOC_LENS if L > 0 or "cuDNN" not in name)
         try:
-            try:
-                found = flamia.audit_causality(fn, heads=2, head_dim=128, device="cuda")
-            except Exception:  # some peers reject empty documents: audit them without it
-                lens = tuple(L for L in flamia.AUDIT_DOC_LENS if L > 0)
-                found = flamia.audit_causality(fn, heads=2, head_dim=128, device="cuda", doc_lens=lens)
-                name += " (no empty doc)"
+            found = flamia.audit_causality(fn, heads=2, head_dim=128, device="cuda", doc_lens=lens)
         except Exception as e:
             print(f"{name:48s} could not run: {type(e).__name__}: {str(e)[:100]}")
             rows.append(dict(impl=name, error=f"{type(e).__name__}: {e}"[:300]))

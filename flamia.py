@@ -14,6 +14,7 @@ measurements on an H200. Reading order (each section starts with a `# ---` divid
   4. reference oracle the exact function every recipe computes, plus exact fp64 attention
   5. kernels          fused Triton forward / backward, with the causal safeguard
   6. public API       autograd + torch custom ops: flamia_attn_varlen_func, flamia_attn_func
+  7. auditor          audit_causality: a bitwise leak test for any attention implementation
 
 The leak, in one paragraph. A scale shared by several tokens is a function of all of them. If
 key j's quantized value depends on a later token j' of its block, a query i with j <= i < j'
@@ -29,8 +30,11 @@ Limitations
   * head_dim 64 or 128; inputs bf16 or fp16; Q and K/V documents given by cu_seqlens (int32).
   * Causal alignment when seqlen_q != seqlen_k is bottom-right (as flash-attn).
   * Non-finite inputs: the quantizer encodes a non-finite block as NaN (E8M0 0xFF and E4M3
-    NaN), so outputs that depend on it are NaN, never finite garbage; the public functions raise
-    a ValueError when `check_finite=True` (default; costs one host sync per call).
+    NaN), so outputs that depend on it are NaN, never finite garbage (with the caveat that a NaN key
+    also reaches the earlier rows of its own key tile through 0 * NaN in the P V MMA); the public
+    functions raise a ValueError when `check_finite=True` (default; costs one host sync per call).
+  * Speed: on the H200 the MXFP8 kernels are still slower than the same kernels in BF16 (README).
+  * recipe="nvfp4" is an exact emulation of FP4 on Hopper (bf16 MMAs), with no Blackwell FP4 path yet.
 
 What was run where (see README): every kernel runs under Triton's CPU interpreter in CI and on
 an H200 (sm_90). The Blackwell path (`backend="dot_scaled"`, native E8M0 scales through
