@@ -388,9 +388,10 @@ def kernels_run(device) -> bool:  # flamia's own rule: elsewhere its PyTorch ora
 
 
 def to_device(b: Batch, device) -> Batch:
+    # ONE plan per batch, shared by every layer, fwd and bwd; built from the host offsets (no GPU sync)
+    plan = flamia.flamia_plan(b.cu, device=device) if kernels_run(device) else None
     b = b.to(device)
-    if kernels_run(device):  # ONE plan per batch (one host sync), shared by every layer, fwd and bwd
-        b.plan = flamia.flamia_plan(b.cu)
+    b.plan = plan
     return b
 
 
