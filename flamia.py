@@ -1294,8 +1294,10 @@ class _FlamiaAttention(torch.autograd.Function):
         return dq, dk, dv, *([None] * 10)
 
 
-def _kernels_available(x: torch.Tensor) -> bool:
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+def kernels_available(device) -> bool:
+    """True where the Triton kernels run (a CUDA device, or Triton's interpreter); elsewhere the public
+    functions compute the same function through the PyTorch oracle."""
+    return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _check_qkv(q, k, v, dims: int):
@@ -1365,7 +1367,7 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of documents, got "
                          f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}")
     softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    if not _kernels_available(q):  # CPU without the interpreter: the oracle computes the same function
+    if not kernels_available(q.device):  # CPU without the interpreter: the oracle computes the same function
         o, lse = reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, softmax_scale=softmax_scale,
                                      recipe=recipe, block_tokens=block_tokens, safeguard=safeguard, return_lse=True)
         o = o.to(q.dtype)
@@ -1397,7 +1399,7 @@ def flamia_attn_func(q, k, v, *, causal=True, softmax_scale=None, recipe="mxfp8"
     qf, kf, vf = q.reshape(B * Sq, H, D), k.reshape(B * Sk, *k.shape[2:]), v.reshape(B * Sk, *v.shape[2:])
     cu_q = torch.arange(0, (B + 1) * Sq, Sq, dtype=torch.int32, device=q.device)
     cu_k = torch.arange(0, (B + 1) * Sk, Sk, dtype=torch.int32, device=q.device)
-    if not _kernels_available(q):
+    if not kernels_available(q.device):
         o, lse = reference_attention(qf, kf, vf, cu_q, cu_k, causal=causal, softmax_scale=softmax_scale,
                                      recipe=recipe, block_tokens=block_tokens, safeguard=safeguard, return_lse=True)
         o = o.to(q.dtype)

@@ -383,13 +383,9 @@ def train_flops(cfg: Config, n_matmul: int, b: Batch) -> float:
     return 6 * n_matmul * b.n_real + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * pairs
 
 
-def kernels_run(device) -> bool:  # flamia's own rule: elsewhere its PyTorch oracle computes attention
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def to_device(b: Batch, device) -> Batch:
     # ONE plan per batch, shared by every layer, fwd and bwd; built from the host offsets (no GPU sync)
-    plan = flamia.flamia_plan(b.cu, device=device) if kernels_run(device) else None
+    plan = flamia.flamia_plan(b.cu, device=device) if flamia.kernels_available(device) else None
     b = b.to(device)
     b.plan = plan
     return b
@@ -471,7 +467,7 @@ def train(cfg: Config) -> dict:
     log(f"torch {torch.__version__}, triton {triton.__version__}; " + (
         f"GPU: {torch.cuda.get_device_name(device)}" if cuda else "no GPU: running on the CPU (tiny config; "
         "attention through flamia's PyTorch oracle, the function its kernels compute)") + f"; {world} rank(s)")
-    if not cuda and kernels_run(device):
+    if not cuda and flamia.kernels_available(device):
         log("note: TRITON_INTERPRET=1, so flamia runs its kernels in Triton's interpreter (slow)")
     if cfg.unsafe_leaky_attention:
         log("!" * 96 + "\n!!! WARNING --unsafe_leaky_attention: mxfp8 with 32-token K/V scale blocks and NO causal "
