@@ -331,11 +331,12 @@ def bench_accuracy(args):
 
 
 def bench_tune(args):
-    """Sweep kernel tile configs (BLOCK_M, BLOCK_N, warps, stages) on one document and on packed documents."""
+    """Sweep kernel tile configs on one document and on packed documents."""
     rows = []
-    fwd_cfgs = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 4)]
-    bwd_cfgs = [((32, 128, 8, 2), (128, 64, 8, 2)), ((32, 128, 8, 3), (128, 64, 8, 3)),
-                ((32, 64, 4, 2), (64, 64, 4, 2)), ((64, 64, 8, 3), (128, 64, 8, 2)), ((64, 128, 8, 2), (128, 64, 8, 2))]
+    fwd_cfgs = [(64, 128, 64, 4, 3), (64, 128, 128, 4, 3), (64, 64, 64, 4, 3), (128, 128, 64, 8, 3),
+                (128, 128, 128, 8, 3), (128, 64, 64, 8, 3)]  # (BLOCK_M, BLOCK_N, MASKED_N, warps, stages)
+    bwd_cfgs = [((32, 128, 8, 3), (128, 64, 8, 3)), ((32, 128, 8, 2), (128, 64, 8, 2)),
+                ((32, 64, 4, 3), (64, 64, 4, 3)), ((64, 128, 8, 3), (128, 64, 8, 3))]
     fwd0, bwd0 = flamia._fwd_config, flamia._bwd_config
     for name, lens, H, HK, D in workloads(True)[:2]:
         T = sum(lens)
@@ -344,7 +345,7 @@ def bench_tune(args):
         for recipe in ("mxfp8", "bf16"):
             fn = flamia_impl(recipe, lens)
             for cfg in fwd_cfgs:
-                flamia._fwd_config = lambda D, quant, cfg=cfg: cfg
+                flamia._fwd_config = lambda D, recipe, cfg=cfg: cfg
                 try:
                     ms = do_bench(lambda: fn(q, k, v))
                     rows.append(dict(workload=name, recipe=recipe, kind="fwd", cfg=cfg, ms=ms, tflops=flops / ms / 1e9))

@@ -577,8 +577,8 @@ def train(cfg: Config) -> dict:
         log(f"leak probe ({cfg.attn}{', UNSAFE no safeguard' if cfg.unsafe_leaky_attention else ''}): teacher-forced "
             f"val loss {tf:.6f}, autoregressive {ar:.6f}, gap {ar - tf:+.2e} (~0: causal; > 0: the future leaked); "
             f"max |logit difference| {diff:.2e}")
-    if cfg.eval_leak and world > 1:
-        dist.barrier()
+    if world > 1:  # every rank finishes (rank 0's probe and files too) before any tears the group down:
+        dist.barrier()  # a gloo rank leaving early can abort its peer
     return hist
 
 
