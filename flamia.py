@@ -33,7 +33,8 @@ Limitations
     NaN), so outputs that depend on it are NaN, never finite garbage (with the caveat that a NaN key
     also reaches the earlier rows of its own key tile through 0 * NaN in the P V MMA); the public
     functions raise a ValueError when `check_finite=True` (default; costs one host sync per call).
-  * Speed: on the H200 the MXFP8 kernels are still slower than the same kernels in BF16 (README).
+  * Speed (H200): the MXFP8 forward beats the same kernels in BF16 on long documents only; the MXFP8
+    backward and short documents are slower, and cuDNN's BF16 is faster than both (README).
   * recipe="nvfp4" is an exact emulation of FP4 on Hopper (bf16 MMAs), with no Blackwell FP4 path yet.
 
 What was run where (see README): every kernel runs under Triton's CPU interpreter in CI and on
@@ -846,7 +847,7 @@ def _attn_fwd(
             K, KSB, EK, V, EV, KS, EKS, VS, EVS, stride_vh, stride_vd, stride_vt, T_K, HK, kd_start, kd_end, v_base,
             v_end, qd_start, shift, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False, QUANT, QK_FP4, False, DOT_SCALED)
     # Masked tiles (the diagonal) are MASKED_N keys wide: narrower tiles there waste fewer masked pairs
-    # and keep the mask and safeguard temporaries within the register budget (no spills).
+    # and keep the mask and safeguard temporaries within the register budget (fewer spills).
     offs_n = kd_start + n_full + tl.arange(0, MASKED_N)
     ek, ev = _key_scales(EK, EV, hk, T_K, offs_n, offs_n < kd_end, MASKED_N, QUANT, QK_FP4)
     for start_n in range(n_full, hi - kd_start, MASKED_N):
@@ -867,8 +868,8 @@ def _attn_fwd(
 def _fwd_config(D: int, recipe: str):
     """(BLOCK_M, BLOCK_N, MASKED_N, num_warps, num_stages) of the forward kernel, from `bench.py --tune`
     on the H200 (D=128; see README). fp8 wants long key tiles (the P V MMA contracts over BLOCK_N) and
-    one warpgroup per 64 query rows; the NVFP4 emulation decodes K to bf16 in registers and needs the
-    smaller key tile. D=64 has not been tuned."""
+    one warpgroup per 64 query rows; the NVFP4 emulation decodes K to bf16 in registers and spills less
+    with the smaller key tile (not tuned for speed). D=64 has not been tuned."""
     if recipe == "mxfp8":
         return 64, 128, 64, 4, 3
     if recipe == "nvfp4":
@@ -1178,8 +1179,8 @@ def _attn_bwd_dq(
 
 def _bwd_config(D: int, quant: bool):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel (query x key tiles) and of the dQ kernel,
-    from `bench.py --tune` on the H200 (D=128): 3 stages beat 2 by 5-15%; bigger query tiles in dK/dV
-    spill registers (cuobjdump -res-usage) and are no faster."""
+    from `bench.py --tune` on the H200 (D=128): 3 stages beat 2 by 8-16%; bigger query tiles in dK/dV
+    spill registers (cuobjdump -res-usage) and are within 5%."""
     return (32, 128, 8, 3), (128, 64, 8, 3)
 
 
