@@ -8,6 +8,7 @@ on this machine, the quantizer's bandwidth, and accuracy per recipe.
     python bench.py --accuracy   # relative L2 error vs exact fp64 per recipe and block_tokens (+ speed)
     python bench.py --audit      # the table of who leaks: flamia.audit_causality on every attention here
     python bench.py --tune       # kernel tile-configuration sweep
+    python bench.py --block-tokens  # mxfp8 fwd / bwd speed per block_tokens on the --quick workloads
 
 FLOP convention (Triton tutorial / DESIGN.md): fwd = 4 * H * D * sum_docs L(L+1)/2 for causal
 documents, bwd = 2.5 x fwd, fwd+bwd = 3.5 x fwd. Times are medians of triton.testing.do_bench on
@@ -330,6 +331,26 @@ def bench_accuracy(args):
     return rows
 
 
+def bench_block_tokens(args):
+    """MXFP8 fwd / bwd / fwd+bwd speed per block_tokens on the --quick workloads (the speed half of
+    the default block_tokens choice; the accuracy half is --accuracy)."""
+    rows = []
+    for name, lens, H, HK, D in workloads(True):
+        T, flops = sum(lens), fwd_flops(lens, H, D)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+        for bt in flamia.BLOCK_TOKENS:
+            fn = flamia_impl("mxfp8", lens, block_tokens=bt)
+            qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+            tf = do_bench(lambda: fn(q, k, v))
+            tfb = do_bench(lambda: torch.autograd.backward(fn(qq, kk, vv), do))
+            rows.append(dict(workload=name, block_tokens=bt, fwd_tflops=flops / tf / 1e9,
+                             bwd_tflops=2.5 * flops / (tfb - tf) / 1e9, fwdbwd_tflops=3.5 * flops / tfb / 1e9))
+            r = rows[-1]
+            print(f"{name:14s} B_t={bt:3d}  fwd {r['fwd_tflops']:4.0f}  bwd {r['bwd_tflops']:4.0f}  "
+                  f"fwd+bwd {r['fwdbwd_tflops']:4.0f} TFLOP/s ({tfb:.3f} ms)")
+    return rows
+
 def bench_tune(args):
     """Sweep kernel tile configs on one document and on packed documents."""
     rows = []
@@ -374,51 +395,45 @@ def per_tensor_fp8(x):
     return (x.float() * scale).to(torch.float8_e4m3fn), 1.0 / scale
 
 
-def cudnn_fp8_fwd(q, k, v, cu, *_):
-    """cuDNN FP8 forward (THD) through nvidia-cudnn-frontend, driven as a user would: per-tensor current scaling."""
+def cudnn_fp8_dense(q, k, v):
+    """cuDNN FP8 causal forward on a (B, S, H, D) batch through nvidia-cudnn-frontend, driven as a user
+    would: per-tensor "current" scaling (each input's scale from its whole-tensor amax, O's from V's,
+    since |O| <= max |V|). The batch layout, not THD: the packed FP8 graph crashed once with "illegal
+    instruction", which poisons the CUDA context for every audit after it."""
     import cudnn
     DT = cudnn.data_type
-    lens = cu.diff().tolist()
-    B, S, (T, H, D) = len(lens), max(lens), q.shape
+    B, S0, H, D = q.shape
+    S = -(-S0 // 128) * 128  # a tile-friendly length; causal rows never see the zero padding at the end
+    pad = lambda x: torch.nn.functional.pad(x, (0, 0, 0, 0, 0, S - S0))
     handle = cudnn.create_handle()
     cudnn.set_stream(handle, torch.cuda.current_stream().cuda_stream)
     g = cudnn.pygraph(io_data_type=DT.FP8_E4M3, intermediate_data_type=DT.FLOAT, compute_data_type=DT.FLOAT,
                       handle=handle)
-    dims, st = (B, H, S, D), (S * H * D, D, H * D, 1)
+    dims, st = (B, H, S, D), (S * H * D, D, H * D, 1)  # logical BHSD over a BSHD buffer
+    one = lambda x: torch.full((1, 1, 1, 1), float(x), device="cuda")
     t, buf = {}, {}
-    cum = torch.cat([cu.new_zeros(1), cu[1:]]).long()
     for n, x in (("q", q), ("k", k), ("v", v)):
-        buf[n], desc = per_tensor_fp8(x)
-        buf["descale_" + n] = desc.view(1, 1, 1, 1).float()
+        data, desc = per_tensor_fp8(pad(x))
+        buf[n], buf["descale_" + n] = data.contiguous(), one(desc)
         t[n] = g.tensor(dim=dims, stride=st, data_type=DT.FP8_E4M3, name=n)
-        buf["off_" + n] = (cum * H * D).view(-1, 1, 1, 1)
-        t["off_" + n] = g.tensor(dim=(B + 1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=DT.INT64, name="off_" + n)
-        t[n].set_ragged_offset(t["off_" + n])
+    scale_o = 1.0 / buf["descale_v"].item()
+    buf.update(descale_s=one(1 / 448.0), scale_s=one(448.0), scale_o=one(scale_o))
     sc = {n: g.tensor(dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=DT.FLOAT, name=n)
           for n in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")}
     t.update(sc)
-    buf.update(descale_s=torch.full((1, 1, 1, 1), 1 / 448.0, device="cuda"), scale_s=torch.full((1, 1, 1, 1), 448.0, device="cuda"),
-               scale_o=torch.ones(1, 1, 1, 1, device="cuda"))
-    t["seq"] = g.tensor(dim=(B, 1, 1, 1), stride=(1, 1, 1, 1), data_type=DT.INT32, name="seq")
-    buf["seq"] = cu.diff().int().view(-1, 1, 1, 1)
     o, stats, amax_s, amax_o = g.sdpa_fp8(q=t["q"], k=t["k"], v=t["v"], name="f", generate_stats=True,
-                                          attn_scale=1 / math.sqrt(D), use_causal_mask=True, use_padding_mask=True,
-                                          seq_len_q=t["seq"], seq_len_kv=t["seq"], **sc)
+                                          attn_scale=1 / math.sqrt(D), use_causal_mask=True, **sc)
     t["o"] = o.set_output(True).set_dim(dims).set_stride(st).set_data_type(DT.FP8_E4M3)
-    t["o"].set_ragged_offset(t["off_q"])
-    t["stats"] = stats.set_output(True).set_dim((B, H, S, 1)).set_stride((S * H, 1, H, 1)).set_data_type(DT.FLOAT)
-    t["off_s"] = g.tensor(dim=(B + 1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=DT.INT64, name="off_s")
-    t["stats"].set_ragged_offset(t["off_s"])
-    buf["off_s"] = (cum * H).view(-1, 1, 1, 1)
+    t["stats"] = stats.set_output(True).set_dim((B, H, S, 1)).set_stride((H * S, S, 1, 1)).set_data_type(DT.FLOAT)
     for n, a in (("amax_s", amax_s), ("amax_o", amax_o)):
         t[n] = a.set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(DT.FLOAT)
-        buf[n] = torch.zeros(1, 1, 1, 1, device="cuda")
-    buf["o"] = torch.zeros(T, H, D, device="cuda", dtype=torch.float8_e4m3fn)
-    buf["stats"] = torch.zeros(T, H, 1, device="cuda")
+        buf[n] = one(0)
+    buf["o"] = torch.zeros(B, S, H, D, device="cuda", dtype=torch.float8_e4m3fn)
+    buf["stats"] = torch.zeros(B, H, S, 1, device="cuda")
     ws = build_graph(g)
     g.execute({x: buf[n] for n, x in t.items()}, ws, handle=handle)
     torch.cuda.synchronize()
-    return buf["o"].float(), buf["stats"][..., 0].t()
+    return buf["o"][:, :S0].float() / scale_o
 
 
 def audit_impls():
@@ -447,15 +462,10 @@ def audit_impls():
         return varlen_attn(q, k, v, cu, cu_k, mq, mk, window_size=(-1, 0))
     impls["torch varlen_attn"] = varlen
 
-    def flex(q, k, v, cu, *_):
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        T = q.shape[0]
-        doc = torch.searchsorted(cu.long(), torch.arange(T, device=q.device), right=True) - 1
-        mask = create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi), None, None, T, T,
-                                 device=q.device)
-        return flex_attention(*(x.transpose(0, 1)[None] for x in (q, k, v)), block_mask=mask)[0].transpose(0, 1)
+    def flex(q, k, v, cu, *_):  # compiled, as benchmarked (eager flex is an unfused fallback)
+        return flex_impl(cu.diff().tolist())(q, k, v)
     impls["FlexAttention document mask"] = flex
-    impls["cuDNN FP8 per-tensor scaling (frontend)"] = cudnn_fp8_fwd
+    impls["cuDNN FP8 per-tensor scaling (frontend, batch layout)"] = flamia.varlen_adapter(cudnn_fp8_dense)
     return impls
 
 
@@ -464,11 +474,8 @@ def bench_audit(args):
     rows = []
     for name, fn in audit_impls().items():
         t0 = time.time()
-        # cuDNN's ragged layout is not given the empty document: a crash there (seen once: "illegal
-        # instruction", layout not isolated yet) would poison the CUDA context for everything after it.
-        lens = tuple(L for L in flamia.AUDIT_DOC_LENS if L > 0 or "cuDNN" not in name)
         try:
-            found = flamia.audit_causality(fn, heads=2, head_dim=128, device="cuda", doc_lens=lens)
+            found = flamia.audit_causality(fn, heads=2, head_dim=128, device="cuda")
         except Exception as e:
             print(f"{name:48s} could not run: {type(e).__name__}: {str(e)[:100]}")
             rows.append(dict(impl=name, error=f"{type(e).__name__}: {e}"[:300]))
@@ -511,6 +518,7 @@ def main():
     ap.add_argument("--accuracy", action="store_true", help="error vs fp64 per recipe and block_tokens")
     ap.add_argument("--audit", action="store_true", help="causality audit of every attention on this machine")
     ap.add_argument("--tune", action="store_true", help="sweep kernel tile configurations")
+    ap.add_argument("--block-tokens", action="store_true", help="mxfp8 speed per block_tokens")
     ap.add_argument("--naive-plan", action="store_true", help="also run FLAMIA with tiles in document order")
     ap.add_argument("--out", default="out", help="directory for JSON and PNG")
     args = ap.parse_args()
@@ -520,9 +528,9 @@ def main():
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=time.strftime("%Y-%m-%d"))
     print(json.dumps(meta))
-    mode = next((m for m in ("quant", "accuracy", "tune", "audit") if getattr(args, m)), "attention")
+    mode = next((m for m in ("quant", "accuracy", "tune", "audit", "block_tokens") if getattr(args, m)), "attention")
     rows = {"quant": bench_quant, "accuracy": bench_accuracy, "tune": bench_tune, "audit": bench_audit,
-            "attention": bench_attention}[mode](args)
+            "block_tokens": bench_block_tokens, "attention": bench_attention}[mode](args)
     with open(os.path.join(args.out, f"bench_{mode}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     if mode == "attention":
