@@ -6,7 +6,7 @@ documents; attention never crosses a document (cu_seqlens), RoPE positions resta
 document, and nothing is learned across a document boundary (a document's last token has no
 target). Attention runs through flamia.flamia_attn_varlen_func (MXFP8 by default).
 
-    python train_llama.py                              # 1 GPU: ~25M-param Llama, ~5 min on an H200
+    python train_llama.py                              # 1 GPU: 25M-param Llama, 2,500 steps, a few minutes on an H200
     python train_llama.py                              # no GPU: tiny config, a few minutes on 2 cores
     python train_llama.py --attn bf16 --max_steps 200  # every Config field is a flag
     torchrun --nproc_per_node=2 train_llama.py         # DDP (nccl on GPUs, gloo on CPUs)
@@ -67,6 +67,7 @@ class Config:
     rope_theta: float = 10000.0  # RoPE base
     attn: str = "mxfp8"  # bf16 | mxfp8 | nvfp4 (FLAMIA recipes) | sdpa (independent PyTorch reference)
     unsafe_leaky_attention: bool = False  # mxfp8 WITHOUT the causal safeguard: leaks the future (demo)
+    rotate_qk: bool = False  # Hadamard-rotate Q and K before quantizing (flamia rotate_qk; same logits)
     tokens_per_batch: int = 32768  # token budget per rank and step; global batch = this x world size
     max_doc_len: int = 2048  # context window: longer documents are cut into pieces this long
     lr: float = 2e-3  # peak learning rate
@@ -317,7 +318,7 @@ def attend(q, k, v, b: Batch, cfg: Config):
     leaky = cfg.unsafe_leaky_attention
     return flamia.flamia_attn_varlen_func(
         q.bfloat16(), k.bfloat16(), v.bfloat16(), b.cu, b.cu, b.max_len, b.max_len, causal=True,
-        recipe=cfg.attn, plan=b.plan, check_finite=False, safeguard=not leaky,
+        recipe=cfg.attn, plan=b.plan, check_finite=False, safeguard=not leaky, rotate_qk=cfg.rotate_qk,
         block_tokens=32 if leaky else flamia.DEFAULT_BLOCK_TOKENS)
 
 
@@ -592,6 +593,29 @@ def plot(rows, path, cfg):
     ax.plot([int(r["step"]) for r in v], [float(r["val_loss"]) for r in v], "o-", label="val")
     ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"Llama d{cfg.d_model} x {cfg.n_layers}, attn {cfg.attn}")
     ax.legend()
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
+
+def compare_plot(out_dirs, path="train_compare.png"):
+    """Loss curves of several runs on one plot, from their log.csv (e.g. one per --attn recipe):
+    python -c "import train_llama as t; t.compare_plot(['out_bf16', 'out_mxfp8'])" """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (tr, va) = plt.subplots(1, 2, figsize=(11, 4))
+    for d in out_dirs:
+        with open(os.path.join(d, "log.csv")) as fh:
+            rows = list(csv.DictReader(fh))
+        line, = tr.plot([int(r["step"]) for r in rows], [float(r["train_loss"]) for r in rows], lw=0.8,
+                        label=os.path.basename(os.path.normpath(d)))
+        v = [r for r in rows if r["val_loss"]]
+        va.plot([int(r["step"]) for r in v], [float(r["val_loss"]) for r in v], "o-", color=line.get_color(),
+                label=line.get_label())
+    tr.set(xlabel="step", ylabel="train loss (nats/token)", yscale="log")
+    va.set(xlabel="step", ylabel="validation loss (nats/token)")
+    va.legend()
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
 
