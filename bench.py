@@ -211,6 +211,7 @@ def bench_attention(args):
         do = torch.randn_like(q)
         impls = {"flamia-mxfp8": lambda: flamia_impl("mxfp8", lens), "flamia-bf16": lambda: flamia_impl("bf16", lens),
                  "flamia-nvfp4 (FP4 emulated on Hopper)": lambda: flamia_impl("nvfp4", lens),
+                 "flamia-mxfp4 (FP4 emulated on Hopper)": lambda: flamia_impl("mxfp4", lens),
                  "sdpa-cudnn": lambda: sdpa_impl(lens), "varlen_attn": lambda: varlen_impl(lens),
                  "flex": lambda: flex_impl(lens)}
         if args.naive_plan:
@@ -313,7 +314,8 @@ def bench_accuracy(args):
         q6, k6, v6 = (x.double().requires_grad_() for x in (q, k, v))
         o6 = flamia.attention_fp64(q6, k6, v6, cu)
         o6.backward(do.double())
-        for recipe, bt in (("bf16", 1), ("mxfp8", 1), ("mxfp8", 32), ("mxfp8", 64), ("mxfp8", 128), ("nvfp4", 1)):
+        for recipe, bt in (("bf16", 1), ("mxfp8", 1), ("mxfp8", 32), ("mxfp8", 64), ("mxfp8", 128), ("nvfp4", 1),
+                           ("mxfp4", 1)):
             qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
             o = flamia.flamia_attn_varlen_func(qq, kk, vv, cu, cu, max(lens), max(lens), recipe=recipe,
                                                block_tokens=bt, plan=plan)
@@ -441,7 +443,7 @@ def audit_impls():
     from functools import partial
     F = flamia.flamia_attn_varlen_func
     impls = {f"flamia {r} B_t={bt}": partial(F, recipe=r, block_tokens=bt, return_lse=True)
-             for r, bt in (("bf16", 1), ("mxfp8", 1), ("mxfp8", 32), ("mxfp8", 128), ("nvfp4", 32))}
+             for r, bt in (("bf16", 1), ("mxfp8", 1), ("mxfp8", 32), ("mxfp8", 128), ("nvfp4", 32), ("mxfp4", 32))}
     impls["flamia mxfp8 B_t=32 safeguard=False (unsafe)"] = partial(F, recipe="mxfp8", block_tokens=32, safeguard=False,
                                                                     return_lse=True)
 

@@ -35,7 +35,9 @@ Limitations
     functions raise a ValueError when `check_finite=True` (default; costs one host sync per call).
   * Speed (H200): the MXFP8 forward beats the same kernels in BF16 on long documents only; the MXFP8
     backward and short documents are slower, and cuDNN's BF16 is faster than both (README).
-  * recipe="nvfp4" is an exact emulation of FP4 on Hopper (bf16 MMAs), with no Blackwell FP4 path yet.
+  * recipe="nvfp4" is an exact emulation of FP4 (bf16 MMAs): Triton's tl.dot_scaled takes no E4M3 block
+    scales. recipe="mxfp4" (E8M0 block scales) is the FP4 recipe for Blackwell's tensor cores; that
+    path has only run under the interpreter.
 
 What was run where (see README): every kernel runs under Triton's CPU interpreter in CI and on
 an H200 (sm_90). The Blackwell path (`backend="dot_scaled"`, native E8M0 scales through
@@ -73,11 +75,13 @@ NVFP4_BLOCK = 16  # NVFP4: one E4M3 scale per 16 elements along the head dim
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of code 0..7
 
 
-def e8m0_exponent(amax: torch.Tensor) -> torch.Tensor:
-    """The scale rule: uint8 E8M0 exponent of the smallest power of two s with amax/s <= 448."""
+def e8m0_exponent(amax: torch.Tensor, elem_max: float = E4M3_MAX) -> torch.Tensor:
+    """The scale rule: uint8 E8M0 exponent of the smallest power of two s with amax/s <= elem_max,
+    for E4M3 elements (448 = 1.75 * 2^8) or E2M1 ones (6 = 1.5 * 2^2, MXFP4)."""
+    shift, mant = {E4M3_MAX: (8, 0x600000), E2M1_MAX: (2, 0x400000)}[elem_max]
     bits = amax.float().view(torch.int32)
     biased = (bits >> 23) & 0xFF
-    e = biased - 8 + ((bits & 0x7FFFFF) > 0x600000).int()
+    e = biased - shift + ((bits & 0x7FFFFF) > mant).int()
     e = torch.where(biased == 255, E8M0_NAN, e.clamp(min=1))
     return e.to(torch.uint8)
 
@@ -95,7 +99,7 @@ def e4m3_encode(x_over_s: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     return q.to(torch.float8_e4m3fn)
 
 
-# NVFP4 (reference only; the kernels take it in a later step): E2M1 elements (values
+# NVFP4: E2M1 elements (values
 # +-{0, .5, 1, 1.5, 2, 3, 4, 6}) in 16-element blocks along the head dim, an E4M3 scale per
 # block, and a second-level FP32 scale. The usual second level is ONE amax over the whole
 # tensor, which is a statistic over every token of every document: it leaks across time and
@@ -139,10 +143,31 @@ def quantize_nvfp4_reference(x: torch.Tensor):
 
 
 def dequantize_nvfp4(packed: torch.Tensor, sb: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
+    """NVFP4 (E4M3 block scales) or MXFP4 (uint8 E8M0 block scales, s2 = 1) back to fp32."""
     T, H, D2 = packed.shape
     codes = torch.stack([packed & 15, packed >> 4], dim=-1).view(T, H, 2 * D2)
-    vals = e2m1_decode(codes).view(T, H, -1, NVFP4_BLOCK)
-    return (vals * sb.float()[..., None] * s2[..., None, None]).view(T, H, 2 * D2)
+    vals = e2m1_decode(codes).view(T, H, sb.shape[-1], -1)
+    block_scale = e8m0_to_float(sb) if sb.dtype == torch.uint8 else sb.float()
+    return (vals * block_scale[..., None] * s2[..., None, None]).view(T, H, 2 * D2)
+
+
+# MXFP4 (OCP MX): E2M1 elements in 32-element blocks along the head dim, an E8M0 scale per block,
+# no second level (E8M0 spans 2^-126..2^127 by itself). This is what Triton's tl.dot_scaled("e2m1")
+# takes -- it has no E4M3 block scales -- so it is the FP4 format Blackwell's tensor cores run here
+# (recipe="mxfp4"); NVFP4 stays an emulation. Scale rule: MXFP8's, for E2M1's maximum 6. The block
+# scale is a power of two, so x / s is exact and only the E2M1 rounding remains.
+MXFP4_BLOCK = 32
+
+
+def quantize_mxfp4_reference(x: torch.Tensor):
+    """x: (T, H, D) -> (packed (T, H, D//2) uint8 as NVFP4's, E8M0 exponents (T, H, D//32) uint8,
+    second-level scale (T, H) fp32 of ones, so MXFP4 travels through NVFP4's code paths)."""
+    _check_thd(x, "x")
+    T, H, D = x.shape
+    xb = x.float().view(T, H, D // MXFP4_BLOCK, MXFP4_BLOCK)
+    e = e8m0_exponent(xb.abs().amax(-1), E2M1_MAX)
+    codes = e2m1_encode(xb / e8m0_to_float(e)[..., None]).view(T, H, D)  # a NaN block (e = 0xFF) -> codes 0
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), e, torch.ones(T, H, device=x.device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,11 +382,12 @@ def transpose_tokens_reference(data: torch.Tensor, offsets: list) -> torch.Tenso
 
 
 @triton.jit
-def _scale_exponent(amax):
-    """The scale rule on fp32 bits (see section 1): returns the E8M0 byte as int32."""
+def _scale_exponent(amax, SHIFT: tl.constexpr = 8, MANT: tl.constexpr = 0x600000):
+    """The scale rule on fp32 bits (see e8m0_exponent; defaults: E4M3, (2, 0x400000): E2M1): returns the
+    E8M0 byte as int32."""
     bits = amax.to(tl.int32, bitcast=True)
     biased = (bits >> 23) & 0xFF
-    e = biased - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    e = biased - SHIFT + ((bits & 0x7FFFFF) > MANT).to(tl.int32)
     return tl.where(biased == 255, 255, tl.maximum(e, 1))
 
 
@@ -463,39 +489,54 @@ def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str
 
 
 @triton.jit
-def _quantize_nvfp4_kernel(
-        X, TILES, FLAG,  # input (T, H, D), the Plan's 128-token tiles, int32 non-finite flag
-        P, SB, S2,  # outputs: packed E2M1 (T, H, D/2) uint8, E4M3 block scales (T, H, D/16), FP32 (H, T)
-        stride_xt, stride_xh, T,
-        H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
-    """NVFP4 in one pass, bit-identical to quantize_nvfp4_reference (IEEE-rounded divisions, like torch)."""
-    x, offs_t, in_doc, bad, h = _load_quant_tile(X, TILES, stride_xt, stride_xh, D, BLOCK_T)
-    s2 = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 2688.0)  # 448 * 6: the block scale then fits E4M3
-    s2 = tl.where(bad != 0, float("nan"), tl.where(s2 > 0, s2, 1.0))
-    xb = tl.reshape(x, (BLOCK_T, D // 16, 16))
-    sb = tl.math.div_rn(tl.math.div_rn(tl.max(tl.abs(xb), axis=2), 6.0), s2[:, None])
-    sb = tl.minimum(sb, 448.0).to(tl.float8e4nv)
-    denom = sb.to(tl.float32) * s2[:, None]
-    denom = tl.where(denom > 0, denom, 1.0)
-    a = tl.math.div_rn(xb, denom[:, :, None])
+def _e2m1_code(a):
+    """Round-to-nearest-even onto the E2M1 grid, as e2m1_encode: the code is the number of boundaries passed."""
     m = tl.abs(a)
-    # Round to nearest even on the E2M1 grid, as e2m1_encode: the code is the number of boundaries passed.
     k = ((m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32) + (m >= 1.75).to(tl.int32)
          + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32) + (m > 5.0).to(tl.int32))
-    code = k + 8 * (a < 0).to(tl.int32)
+    return k + 8 * (a < 0).to(tl.int32)
+
+
+@triton.jit
+def _quantize_fp4_kernel(
+        X, TILES, FLAG, P, SB, S2, stride_xt, stride_xh, T,
+        H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, MX: tl.constexpr):
+    """NVFP4 (MX=False) or MXFP4 in one pass, bit-identical to quantize_nvfp4_reference /
+    quantize_mxfp4_reference (IEEE-rounded divisions, like torch)."""
+    x, offs_t, in_doc, bad, h = _load_quant_tile(X, TILES, stride_xt, stride_xh, D, BLOCK_T)
+    if MX:  # E8M0 per 32 elements; the second level is 1
+        NB: tl.constexpr = D // 32
+        xb = tl.reshape(x, (BLOCK_T, NB, 32))
+        bad_b = tl.max(((xb != xb) | (tl.abs(xb) == float("inf"))).to(tl.int32), axis=2)
+        e = _scale_exponent(tl.where(bad_b != 0, float("inf"), tl.max(tl.abs(xb), axis=2)), 2, 0x400000)
+        inv = _exp2_int(254 - tl.minimum(e, 253))  # 1/s = 2^(127 - e), exact
+        code = tl.where((e == 255)[:, :, None], 0, _e2m1_code(xb * inv[:, :, None]))  # as x / NaN in torch
+        sb = e.to(tl.uint8)
+        s2 = tl.full((BLOCK_T,), 1.0, tl.float32)
+    else:  # E4M3 per 16 elements, relative to a per-token FP32 second level
+        NB: tl.constexpr = D // 16
+        s2 = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 2688.0)  # 448 * 6: the block scale then fits E4M3
+        s2 = tl.where(bad != 0, float("nan"), tl.where(s2 > 0, s2, 1.0))
+        xb = tl.reshape(x, (BLOCK_T, NB, 16))
+        sb = tl.math.div_rn(tl.math.div_rn(tl.max(tl.abs(xb), axis=2), 6.0), s2[:, None])
+        sb = tl.minimum(sb, 448.0).to(tl.float8e4nv)
+        denom = sb.to(tl.float32) * s2[:, None]
+        denom = tl.where(denom > 0, denom, 1.0)
+        code = _e2m1_code(tl.math.div_rn(xb, denom[:, :, None]))
     lo, hi = tl.split(tl.reshape(code, (BLOCK_T, D // 2, 2)))  # first element of each pair in the low nibble
     offs_p = tl.arange(0, D // 2)
     tl.store(P + (offs_t[:, None] * H + h) * (D // 2) + offs_p[None, :], (lo | (hi << 4)).to(tl.uint8),
              mask=in_doc[:, None])
-    offs_b = tl.arange(0, D // 16)
-    tl.store(SB + (offs_t[:, None] * H + h) * (D // 16) + offs_b[None, :], sb, mask=in_doc[:, None])
+    offs_b = tl.arange(0, NB)
+    tl.store(SB + (offs_t[:, None] * H + h) * NB + offs_b[None, :], sb, mask=in_doc[:, None])
     tl.store(S2 + h * T + offs_t, s2, mask=in_doc)
     tl.store(FLAG, 1, mask=tl.max(bad) != 0)
 
 
 class NVFP4(tuple):
     """A quantized (T, H, D) tensor: packed E2M1 (T, H, D/2) uint8, block scales (T, H, D/16)
-    float8_e4m3fn, per-token second-level scales (H, T) fp32."""
+    float8_e4m3fn, per-token second-level scales (H, T) fp32. MXFP4 uses the same container with
+    (T, H, D/32) uint8 E8M0 block scales and a second level of ones."""
     __slots__ = ()
 
     def __new__(cls, packed, sb, s2):
@@ -507,21 +548,24 @@ class NVFP4(tuple):
         return dequantize_nvfp4(self.packed, self.sb, self.s2.t())
 
 
-def quantize_nvfp4(x: torch.Tensor, plan: Plan, side: str = "q", nonfinite_flag: torch.Tensor = None) -> NVFP4:
-    """Fused Triton NVFP4 quantizer: one launch, x (T, H, D) read once. See quantize_nvfp4_reference."""
+def quantize_nvfp4(x: torch.Tensor, plan: Plan, side: str = "q", nonfinite_flag: torch.Tensor = None,
+                   mx: bool = False) -> NVFP4:
+    """Fused Triton FP4 quantizer: one launch, x (T, H, D) read once. NVFP4, or MXFP4 with mx=True (see
+    quantize_nvfp4_reference / quantize_mxfp4_reference)."""
     _check_thd(x, "x")
     T, H, D = x.shape
     if T != (plan.total_q if side == "q" else plan.total_k):
         raise ValueError(f"x has {T} tokens but the plan's cu_seqlens_{side} does not end there")
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = NVFP4(torch.empty(T, H, D // 2, dtype=torch.uint8, device=x.device),
+                torch.empty(T, H, D // MXFP4_BLOCK, dtype=torch.uint8, device=x.device) if mx else
                 torch.empty(T, H, D // NVFP4_BLOCK, dtype=torch.float8_e4m3fn, device=x.device),
                 torch.empty(H, T, dtype=torch.float32, device=x.device))
     flag = nonfinite_flag if nonfinite_flag is not None else torch.zeros(1, dtype=torch.int32, device=x.device)
     tiles = plan.tiles(QUANT_TILE, side, causal=False, skip_masked=False)
     if tiles.shape[0] > 0:
-        _quantize_nvfp4_kernel[(tiles.shape[0], H)](x, tiles, flag, *out, x.stride(0), x.stride(1), T, H=H, D=D,
-                                                     BLOCK_T=QUANT_TILE, num_warps=4)
+        _quantize_fp4_kernel[(tiles.shape[0], H)](x, tiles, flag, *out, x.stride(0), x.stride(1), T, H=H, D=D,
+                                                   BLOCK_T=QUANT_TILE, MX=mx, num_warps=4)
     return out
 
 
@@ -564,7 +608,13 @@ def _rotate_qk(q, k, softmax_scale):
 # scaling, dequantize, then exact attention with per-document (causal) masking. The kernels are
 # tested against it; train_llama.py uses it as the CPU path. Quantizers are straight-through
 # (identity gradient), so autograd through it gives the gradients the kernels must reproduce.
-RECIPES = ("bf16", "mxfp8", "nvfp4")
+RECIPES = ("bf16", "mxfp8", "nvfp4", "mxfp4")
+FP4_RECIPES = ("nvfp4", "mxfp4")  # Q and K in FP4 (E2M1), V and dO in MXFP8
+
+
+def _qk_fp4(recipe: str) -> int:
+    """The kernels' QK_FP4 constexpr: 0 (Q, K in bf16 or E4M3), 1 (NVFP4), 2 (MXFP4)."""
+    return FP4_RECIPES.index(recipe) + 1 if recipe in FP4_RECIPES else 0
 
 
 def _fake_quant(x: torch.Tensor, cu_seqlens: torch.Tensor, block_tokens: int) -> torch.Tensor:
@@ -572,8 +622,9 @@ def _fake_quant(x: torch.Tensor, cu_seqlens: torch.Tensor, block_tokens: int) ->
     return x.float() + (deq - x.float()).detach()  # straight-through estimator
 
 
-def _fake_quant_nvfp4(x: torch.Tensor) -> torch.Tensor:
-    deq = dequantize_nvfp4(*quantize_nvfp4_reference(x.detach()))  # fp32: the FP32 second level is not bf16
+def _fake_quant_fp4(x: torch.Tensor, recipe: str) -> torch.Tensor:
+    quantize = quantize_nvfp4_reference if recipe == "nvfp4" else quantize_mxfp4_reference
+    deq = dequantize_nvfp4(*quantize(x.detach()))  # fp32: the FP32 second level is not bf16
     return x.float() + (deq - x.float()).detach()
 
 
@@ -591,6 +642,7 @@ def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True
     Computes in fp32 (fp64 if q is fp64) on the recipe's dequantized operands:
       recipe="bf16":  the inputs as they are.
       recipe="nvfp4": Q and K in NVFP4 (per token and head; never straddle), V as in mxfp8.
+      recipe="mxfp4": the same with Q and K in MXFP4 (E8M0 scales per 32 elements).
       recipe="mxfp8": Q per token, K and V per `block_tokens` block of one document (E4M3 + E8M0);
                       with the safeguard, a (query i, key j) pair whose key block also holds the
                       position of i uses per-token quantized k_j, v_j instead (no future token can
@@ -612,8 +664,8 @@ def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True
     if recipe == "mxfp8":
         q = _fake_quant(q, cu_seqlens_q, 1)  # Q is never block-scaled: its scale would leak along rows
         k_tok, k = _fake_quant(k, cu_seqlens_k, 1), _fake_quant(k, cu_seqlens_k, block_tokens)
-    elif recipe == "nvfp4":
-        q, k = _fake_quant_nvfp4(q), _fake_quant_nvfp4(k)
+    elif recipe in FP4_RECIPES:
+        q, k = _fake_quant_fp4(q, recipe), _fake_quant_fp4(k, recipe)
         k_tok = k
     if recipe != "bf16":
         v_tok, v = _fake_quant(v, cu_seqlens_k, 1), _fake_quant(v, cu_seqlens_k, block_tokens)
@@ -672,10 +724,12 @@ def attention_fp64(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True, sof
 # keys end before i's block starts and are safe. Q is scaled per token, so nothing leaks along rows.
 @triton.jit
 def _load_qk(PTR, SB, offs_t, h, HEADS, mask, ROWS: tl.constexpr, D: tl.constexpr, QK_FP4: tl.constexpr):
-    """A Q or K tile for the QK^T MMA: the tile as stored (bf16 or E4M3), or for nvfp4 the E2M1 values times
-    their E4M3 block scales, as bf16. That product has at most 2 + 4 significant bits, so bf16 holds it
-    exactly and a bf16 MMA is an exact emulation of FP4 (Hopper has no FP4 tensor cores)."""
+    """A Q or K tile for the QK^T MMA: the tile as stored (bf16 or E4M3), or for FP4 the E2M1 values times
+    their block scales (NVFP4: E4M3 per 16, MXFP4: E8M0 per 32), as bf16. That product has at most 2 + 4
+    significant bits, so bf16 holds it exactly and a bf16 MMA is an exact emulation of FP4 (Hopper has
+    no FP4 tensor cores)."""
     if QK_FP4:
+        NB: tl.constexpr = D // 16 if QK_FP4 == 1 else D // 32
         offs_p = tl.arange(0, D // 2)
         packed = tl.load(PTR + (offs_t[:, None] * HEADS + h) * (D // 2) + offs_p[None, :], mask=mask[:, None],
                          other=0).to(tl.int32)
@@ -684,14 +738,27 @@ def _load_qk(PTR, SB, offs_t, h, HEADS, mask, ROWS: tl.constexpr, D: tl.constexp
         mag = tl.where(e == 0, (code & 1).to(tl.float32) * 0.5,  # subnormal 0 / 0.5; else (2 + m) * 2^(e - 2)
                        (2 + (code & 1)).to(tl.float32) * _exp2_int(e + 125))
         val = tl.where((code & 8) != 0, -mag, mag)
-        offs_b = tl.arange(0, D // 16)
-        sb = tl.load(SB + (offs_t[:, None] * HEADS + h) * (D // 16) + offs_b[None, :], mask=mask[:, None],
-                     other=0.0).to(tl.float32)
-        tile = tl.reshape(tl.reshape(val, (ROWS, D // 16, 16)) * sb[:, :, None], (ROWS, D)).to(tl.bfloat16)
+        offs_b = tl.arange(0, NB)
+        sb_ptrs = SB + (offs_t[:, None] * HEADS + h) * NB + offs_b[None, :]
+        if QK_FP4 == 1:  # E4M3
+            sb = tl.load(sb_ptrs, mask=mask[:, None], other=0.0).to(tl.float32)
+        else:  # E8M0; a NaN block (0xFF -> inf) has codes 0, and 0 * inf = NaN
+            sb = _exp2_int(tl.load(sb_ptrs, mask=mask[:, None], other=0).to(tl.int32))
+        tile = tl.reshape(tl.reshape(val, (ROWS, NB, D // NB)) * sb[:, :, None], (ROWS, D)).to(tl.bfloat16)
     else:
         offs_d = tl.arange(0, D)
         tile = tl.load(PTR + (offs_t[:, None] * HEADS + h) * D + offs_d[None, :], mask=mask[:, None], other=0.0)
     return tile
+
+
+@triton.jit
+def _load_fp4_raw(PTR, SB, offs_t, h, HEADS, mask, D: tl.constexpr):
+    """An MXFP4 Q or K tile as tl.dot_scaled takes it: packed E2M1 (rows, D/2) and E8M0 scales (rows, D/32)."""
+    offs_p = tl.arange(0, D // 2)
+    packed = tl.load(PTR + (offs_t[:, None] * HEADS + h) * (D // 2) + offs_p[None, :], mask=mask[:, None], other=0)
+    offs_b = tl.arange(0, D // 32)
+    e8 = tl.load(SB + (offs_t[:, None] * HEADS + h) * (D // 32) + offs_b[None, :], mask=mask[:, None], other=127)
+    return packed, e8
 
 
 @triton.jit
@@ -763,11 +830,16 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, qscale, q_e8, sm_scale_log2,
     offs_v = v_base + start_n + tl.arange(0, BLOCK_N)
     vmask = offs_v < v_end
     v_ptrs = hk * stride_vh + offs_d[None, :] * stride_vd + offs_v[:, None] * stride_vt
-    k = _load_qk(K, KSB, offs_n, hk, HK, kmask, BLOCK_N, D, QK_FP4)
+    if DOT_SCALED and QK_FP4:
+        k, k_e8 = _load_fp4_raw(K, KSB, offs_n, hk, HK, kmask, D)
+    else:
+        k = _load_qk(K, KSB, offs_n, hk, HK, kmask, BLOCK_N, D, QK_FP4)
     # s holds QK^T with the column (key) scales applied; the row factor qscale (Q's scale * softmax
     # scale * log2 e) is applied inside the exp2's FMA below, and the row max is taken before it:
     # qscale > 0, so max_j(s * qscale) = qscale * max_j(s) exactly (rounding is monotonic).
-    if DOT_SCALED:  # Blackwell: E8M0 scales applied by the tensor core, 32 head-dim elements each
+    if DOT_SCALED and QK_FP4:  # Blackwell FP4: E2M1 x E2M1 with E8M0 block scales in the tensor core
+        s = tl.dot_scaled(q, q_e8, "e2m1", tl.trans(k), k_e8, "e2m1") * ek[None, :]
+    elif DOT_SCALED:  # Blackwell: E8M0 scales applied by the tensor core, 32 head-dim elements each
         s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), tl.broadcast_to(ek.to(tl.uint8)[:, None], (BLOCK_N, D // 32)),
                           "e4m3")
     elif QK_FP4:
@@ -862,10 +934,13 @@ def _attn_fwd(
     offs_m = q_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     qmask = offs_m < q_end
-    q = _load_qk(Q, QSB, offs_m, h, H, qmask, BLOCK_M, D, QK_FP4)
+    if DOT_SCALED and QK_FP4:  # packed E2M1 and its E8M0 block scales go to the tensor core as stored
+        q, q_e8 = _load_fp4_raw(Q, QSB, offs_m, h, H, qmask, D)
+    else:
+        q = _load_qk(Q, QSB, offs_m, h, H, qmask, BLOCK_M, D, QK_FP4)
+        q_e8 = q  # unused unless DOT_SCALED
     qscale = _token_scale(EQ, offs_m, h, T_Q, qmask, BLOCK_M, QUANT, QK_FP4) * sm_scale_log2  # S's row factor
-    q_e8 = q  # unused unless DOT_SCALED
-    if DOT_SCALED:  # the tensor core applies Q's scale; the row factor is the softmax scale alone
+    if DOT_SCALED and not QK_FP4:  # the tensor core applies Q's scale; the row factor is the softmax scale alone
         q_e8 = tl.broadcast_to(tl.load(EQ + h * T_Q + offs_m, mask=qmask, other=127)[:, None], (BLOCK_M, D // 32))
         qscale = tl.full((BLOCK_M,), sm_scale_log2, tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -907,7 +982,7 @@ def _fwd_config(D: int, recipe: str):
     with the smaller key tile (not tuned for speed). D=64 has not been tuned."""
     if recipe == "mxfp8":
         return 64, 128, 64, 4, 3
-    if recipe == "nvfp4":
+    if recipe in FP4_RECIPES:
         return 128, 64, 64, 8, 3
     return 128, 128, 64, 8, 3
 
@@ -915,11 +990,12 @@ def _fwd_config(D: int, recipe: str):
 def _quantize_qkv(q, k, v, plan, recipe, block_tokens, safeguard, flag):
     """Quantize the forward's operands, one quantizer launch per tensor. Returns a dict of the operands the
     kernels read: "q", "k", "ks" as (data, scale, block scale) — mxfp8: (E4M3, E8M0 exponents, unused);
-    nvfp4: (packed E2M1, FP32 second level, E4M3 block scales) — and "v", "vs" as MXFP8 with the
+    nvfp4 / mxfp4: (packed E2M1, FP32 second level, E4M3 / E8M0 block scales) — and "v", "vs" as MXFP8 with the
     token-transposed copy. "ks", "vs" are the per-token copies of the safeguard (or K, V themselves)."""
     none = q.new_empty(0)
-    if recipe == "nvfp4":  # Q and K: NVFP4 along the head dim, per token, so the safeguard never needs them
-        (qp, qsb, qs2), (kp, ksb, ks2) = quantize_nvfp4(q, plan, "q", flag), quantize_nvfp4(k, plan, "k", flag)
+    if recipe in FP4_RECIPES:  # Q and K: FP4 along the head dim, per token, so the safeguard never needs them
+        mx = recipe == "mxfp4"
+        (qp, qsb, qs2), (kp, ksb, ks2) = (quantize_nvfp4(x, plan, side, flag, mx) for x, side in ((q, "q"), (k, "k")))
         ops = {"q": (qp, qs2, qsb), "k": (kp, ks2, ksb)}
         ops["ks"] = ops["k"]
     else:
@@ -947,8 +1023,8 @@ def _attn_forward(q, k, v, plan: Plan, *, causal, softmax_scale, recipe, block_t
     quant = recipe != "bf16"
     safeguard = quant and causal and safeguard and block_tokens > 1
     if recipe == "nvfp4" and backend == "dot_scaled":
-        raise ValueError("recipe='nvfp4' runs with backend='wgmma' (exact emulation of FP4); "
-                         "backend='dot_scaled' is for recipe='mxfp8'")
+        raise ValueError("recipe='nvfp4' runs with backend='wgmma' (exact emulation of FP4): tl.dot_scaled takes "
+                         "no E4M3 block scales; backend='dot_scaled' is for recipe='mxfp8' or 'mxfp4'")
     flag = torch.zeros(1, dtype=torch.int32, device=q.device)
     if quant:
         ops = _quantize_qkv(q, k, v, plan, recipe, block_tokens, safeguard, flag)
@@ -972,7 +1048,7 @@ def _attn_forward(q, k, v, plan: Plan, *, causal, softmax_scale, recipe, block_t
             Qd, EQ, Kd, EK, Vd, EV, KS, EKS, VS, EVS, QSB, KSB, o, lse, tiles, *strides_v,
             softmax_scale * 1.4426950408889634, Tq, Tk, H, HK,  # log2(e)
             D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, MASKED_N=MASKED_N, BLOCK_TOKENS=block_tokens, CAUSAL=causal, QUANT=quant,
-            QK_FP4=recipe == "nvfp4", SAFEGUARD=safeguard, DOT_SCALED=backend == "dot_scaled",
+            QK_FP4=_qk_fp4(recipe), SAFEGUARD=safeguard, DOT_SCALED=backend == "dot_scaled",
             num_warps=warps, num_stages=stages)
     return o, lse, ops
 
@@ -1239,7 +1315,7 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, *, causal, softmax_scal
     dk, dv = init(Tk, HK, D, dtype=q.dtype, device=q.device), init(Tk, HK, D, dtype=q.dtype, device=q.device)
     dq = (torch.zeros if plan.rows_without_keys[causal] else torch.empty)(Tq, H, D, dtype=q.dtype, device=q.device)
     (BM1, BN1, w1, s1), (BM2, BN2, w2, s2) = _bwd_config(D, quant)
-    meta = dict(D=D, BLOCK_TOKENS=block_tokens, CAUSAL=causal, QUANT=quant, QK_FP4=recipe == "nvfp4",
+    meta = dict(D=D, BLOCK_TOKENS=block_tokens, CAUSAL=causal, QUANT=quant, QK_FP4=_qk_fp4(recipe),
                 SAFEGUARD=safeguard)
     tiles = plan.tiles(BN1, "k", causal)
     if tiles.shape[0] > 0:
@@ -1342,9 +1418,10 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale, recipe,
         return [torch.empty_like(q), q.new_empty(H, Tq, dtype=torch.float32)] + [e() for _ in range(_SAVED)]
     mx = lambda T, h: [q.new_empty(T, h, D, dtype=f8), q.new_empty(h, T, dtype=u8)]
     tok = causal and safeguard and block_tokens > 1
-    if recipe == "nvfp4":
+    if recipe in FP4_RECIPES:
+        block_scales = ((D // NVFP4_BLOCK, f8) if recipe == "nvfp4" else (D // MXFP4_BLOCK, u8))
         fp4 = lambda T, h: [q.new_empty(T, h, D // 2, dtype=u8), q.new_empty(h, T, dtype=torch.float32),
-                            q.new_empty(T, h, D // NVFP4_BLOCK, dtype=f8)]
+                            q.new_empty(T, h, block_scales[0], dtype=block_scales[1])]
         saved = fp4(Tq, H) + fp4(Tk, HK) + [e(), e()]
     else:
         saved = mx(Tq, H) + [e()] + mx(Tk, HK) + [e()] + (mx(Tk, HK) if tok else [e(), e()])
@@ -1422,10 +1499,11 @@ def _check_options(recipe, block_tokens, backend):
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
 
 
-def _default_backend(x: torch.Tensor) -> str:
+def _default_backend(x: torch.Tensor, recipe: str) -> str:
     # Blackwell (sm_100+) applies E8M0 scales in its tensor cores; Hopper has plain fp8 wgmma, where
-    # tl.dot_scaled is emulated through bf16 (289 vs 1184 TFLOP/s measured on H200).
-    if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 10:
+    # tl.dot_scaled is emulated through bf16 (289 vs 1184 TFLOP/s measured on H200). NVFP4's E4M3 block
+    # scales are not a tl.dot_scaled input: it stays the exact bf16 emulation everywhere.
+    if recipe in ("mxfp8", "mxfp4") and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 10:
         return "dot_scaled"
     return "wgmma"
 
@@ -1438,7 +1516,9 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     q: (total_q, H, D); k, v: (total_k, Hk, D) with H % Hk == 0 (GQA/MQA); bf16 or fp16; D in (64, 128).
     cu_seqlens_q / cu_seqlens_k: int32 (n_docs + 1,) document offsets; max_seqlen_*: upper bounds of the
     document lengths (as in flash-attn). causal: per-document causal mask, bottom-right aligned.
-    recipe: "mxfp8" (FLAMIA) or "bf16" (the same kernels without quantization).
+    recipe: "mxfp8" (FLAMIA), "bf16" (the same kernels without quantization), "nvfp4" or "mxfp4" (Q, K in
+        FP4, V, dO in MXFP8; nvfp4 is an exact bf16 emulation everywhere, mxfp4 runs on Blackwell's FP4
+        tensor cores with backend="dot_scaled").
     block_tokens: tokens per K/V/dO scale block (1, 32, 64, 128); Q is always scaled per token.
     safeguard: False disables the causal safeguard (LEAKS the future; for tests and demos only).
     rotate_qk: multiply Q and K by a +-1 Hadamard matrix with random signs before quantizing (same
@@ -1483,7 +1563,7 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         raise ValueError(f"max_seqlen_q / max_seqlen_k ({max_seqlen_q}, {max_seqlen_k}) are smaller than the longest "
                          f"documents in cu_seqlens ({plan.max_seqlen_q}, {plan.max_seqlen_k})")
     o, lse = _FlamiaAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, [0, 0, 0], causal, softmax_scale, recipe,
-                                    block_tokens, safeguard, backend or _default_backend(q), check_finite)
+                                    block_tokens, safeguard, backend or _default_backend(q, recipe), check_finite)
     return (o, lse) if return_lse else o
 
 
@@ -1510,7 +1590,7 @@ def flamia_attn_func(q, k, v, *, causal=True, softmax_scale=None, recipe="mxfp8"
         if rotate_qk:
             qf, kf, softmax_scale = _rotate_qk(qf, kf, softmax_scale)
         o, lse = _FlamiaAttention.apply(qf, kf, vf, cu_q, cu_k, [B, Sq, Sk], causal, softmax_scale, recipe,
-                                        block_tokens, safeguard, backend or _default_backend(q), check_finite)
+                                        block_tokens, safeguard, backend or _default_backend(q, recipe), check_finite)
     o, lse = o.view(B, Sq, H, D), lse.view(H, B, Sq).transpose(0, 1)
     return (o, lse) if return_lse else o
 

@@ -489,24 +489,27 @@ def test_triton_quantizer_nonfinite(bad):
         assert_bitwise(m.data[~mask], c.data[~mask], f"{name}: data outside the bad block")
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
-def test_triton_nvfp4_quantizer_bit_identical(dtype, D):
-    """quantize_nvfp4 (Triton) == quantize_nvfp4_reference byte for byte: packed E2M1 codes, E4M3 block
-    scales and the FP32 per-token scales (stored (H, T) by the kernel, (T, H) by the reference), on
-    wide-range data, for self- and key-side layouts with empty documents."""
+def test_triton_fp4_quantizer_bit_identical(dtype, D, fmt):
+    """quantize_nvfp4 (Triton; mx=True for MXFP4) == quantize_nvfp4_reference / quantize_mxfp4_reference
+    byte for byte: packed E2M1 codes, block scales (E4M3 / E8M0) and the FP32 per-token scales (stored
+    (H, T) by the kernel, (T, H) by the reference), on wide-range data, for self- and key-side layouts
+    with empty documents."""
+    reference = flamia.quantize_nvfp4_reference if fmt == "nvfp4" else flamia.quantize_mxfp4_reference
     gen = torch.Generator().manual_seed(16 + D)
     for li, lens in enumerate(QUANT_LAYOUTS):
         cu = cu_of(lens)
         x = _wide_range(gen, sum(lens), 2, D, dtype).to(DEVICE)
         plan, side = (flamia.Plan(cu_of([5] * len(lens)), cu), "k") if li == 2 else (flamia.Plan(cu), "q")
         flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-        packed, sb, s2 = flamia.quantize_nvfp4(x, plan, side, nonfinite_flag=flag)
+        packed, sb, s2 = flamia.quantize_nvfp4(x, plan, side, nonfinite_flag=flag, mx=fmt == "mxfp4")
         assert int(flag) == 0
         # On CUDA first against the reference evaluated on the CPU (IEEE divisions), then on the GPU:
         # the failure message then says which side moved.
         for where in (["cpu", DEVICE] if DEVICE == "cuda" else [DEVICE]):
-            rp, rsb, rs2 = flamia.quantize_nvfp4_reference(x.to(where))
+            rp, rsb, rs2 = reference(x.to(where))
             assert_bitwise(s2.t().cpu(), rs2.cpu(), f"layout {lens}: per-token scales vs reference on {where}")
             assert_bitwise(sb.cpu(), rsb.cpu(), f"layout {lens}: block scales vs reference on {where}")
             assert_bitwise(packed.cpu(), rp.cpu(), f"layout {lens}: packed codes vs reference on {where}")
@@ -634,6 +637,36 @@ def test_nvfp4_round_trip_and_packing():
     p, b, s = flamia.quantize_nvfp4_reference(xt)
     assert float(s[0, 0]) == 1.0 and float(b[0, 0, 0].float()) == 448.0
     assert p[0, 0, :2].tolist() == [0x97, 0x35], f"packed bytes {[hex(v) for v in p[0, 0, :2].tolist()]}"
+
+
+def test_mxfp4_reference_scale_rule_and_round_trip():
+    """quantize_mxfp4_reference: per 32 elements of one token and head, the E8M0 scale is the smallest
+    power of two s with amax / s <= 6 (checked against the definition, and at the edges 6 -> 2^0,
+    6 + ulp -> 2^1, 3 -> 2^-1, 0 -> 2^-126); every element then errs by at most half the E2M1 grid
+    spacing at |x| / s, times s (no saturation: |x| / s <= 6); an all-zero block is exact zeros; a
+    block holding a NaN or inf gets the NaN scale 0xFF and dequantizes to NaN, its neighbours do not."""
+    assert flamia.e8m0_exponent(torch.tensor([6.0, 6.0000005, 3.0, 0.0]), flamia.E2M1_MAX).tolist() == [127, 128, 126, 1]
+    gen = torch.Generator().manual_seed(9)
+    T, H, D = 40, 2, 128
+    x = torch.randn(T, H, D, generator=gen) * torch.exp2(torch.randint(-30, 30, (T, H, 1), generator=gen).float())
+    x[3, 0, 32:64] = 0
+    x[5, 1, 70] = float("nan")
+    x[6, 0, 1] = float("-inf")
+    packed, e, s2 = flamia.quantize_mxfp4_reference(x.to(DEVICE))
+    assert packed.shape == (T, H, D // 2) and e.shape == (T, H, D // 32) and e.dtype == torch.uint8
+    assert torch.equal(s2.cpu(), torch.ones(T, H))
+    deq = flamia.dequantize_nvfp4(packed, e, s2).cpu().double()
+    bad = torch.zeros(T, H, D // 32, dtype=torch.bool)
+    bad[5, 1, 2] = bad[6, 0, 0] = True
+    assert (e.cpu()[bad] == 255).all() and deq[bad.repeat_interleave(32, -1)].isnan().all()
+    e, xd = e.cpu()[~bad].long(), x.double().view(T, H, D // 32, 32)[~bad]  # (blocks, 32)
+    scale = torch.ldexp(torch.ones_like(e, dtype=torch.float64), e - 127)
+    amax = xd.abs().amax(-1)
+    assert (amax / scale <= 6).all() and ((amax / (scale / 2) > 6) | (e == 1)).all(), "not the smallest power of two"
+    y = xd.abs() / scale[:, None]
+    err = (deq.view(T, H, D // 32, 32)[~bad] - xd).abs()
+    assert (err <= _e2m1_half_ulp(y) * scale[:, None]).all(), "an element exceeds half an E2M1 step"
+    assert torch.equal(deq[3, 0, 32:64], torch.zeros(32, dtype=torch.float64))
 
 
 def test_nvfp4_per_token_second_level_scale():
@@ -803,7 +836,7 @@ def test_plan_device_cuda_means_current_gpu():
 # mxfp8 does; its Q K^T is an exact bf16 emulation of FP4; measured 1.5-2.5%), <= 5e-3 for bf16
 # (measured ~2e-3). Against exact fp64 attention the kernel must be within 1.3x the oracle's own
 # error (the oracle's output rounded to the input dtype, as the API returns it) + 1e-3.
-O_TOL = {"mxfp8": 3e-2, "nvfp4": 3e-2, "bf16": 5e-3}
+O_TOL = {"mxfp8": 3e-2, "nvfp4": 3e-2, "mxfp4": 3e-2, "bf16": 5e-3}
 LSE_TOL = 1e-4
 # Exception: Hopper's fp8 tensor cores (mxfp8 with backend="wgmma" on CUDA) accumulate Q K^T with
 # reduced precision (~14 mantissa bits, not fp32; cf. DeepSeek-V3 tech report, 3.3.2), so there
@@ -835,6 +868,7 @@ FWD_CASES = [  # recipe, block_tokens, causal, head_dim
     ("mxfp8", 32, True, 64), ("mxfp8", 32, False, 64),
     ("mxfp8", 32, True, 128),
     ("nvfp4", 32, True, 64),
+    ("mxfp4", 32, True, 128),
 ]
 
 
@@ -899,23 +933,25 @@ def test_forward_safeguard_numerics():
         assert gap > 1e-2, f"bt={bt}: the unsafe oracle is only {gap:.2e} away: this layout has no teeth"
 
 
-def test_forward_dot_scaled_backend():
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4"])
+def test_forward_dot_scaled_backend(recipe):
     """backend="dot_scaled" (E8M0 scales inside tl.dot_scaled; runs in the interpreter with triton 3.9,
     emulated through bf16 on Hopper) computes the same function as the default wgmma path: each meets
     the oracle tolerances above, and their outputs agree to rel L2 <= 1e-3 in the interpreter (S
     differs only in summation order; measured 0) and <= 5e-3 on CUDA (Hopper's fp8 wgmma accumulation,
     see LSE_TOL_FP8_MMA, moves some P elements across an E4M3 rounding boundary; measured 2.0e-3 on
-    H200, where dot_scaled, emulated through bf16, meets the oracle's LSE to 1e-6)."""
+    H200, where dot_scaled, emulated through bf16, meets the oracle's LSE to 1e-6). mxfp4: E2M1 x E2M1
+    with E8M0 scales per 32 elements in tl.dot_scaled vs the decoded bf16 emulation."""
     q, k, v = qkv(13, sum(LENS_FWD))
-    kw = dict(causal=True, recipe="mxfp8", block_tokens=32, return_lse=True)
+    kw = dict(causal=True, recipe=recipe, block_tokens=32, return_lse=True)
     ro, rlse = flamia.reference_attention(q, k, v, cu_of(LENS_FWD), **kw)
     f64 = flamia.attention_fp64(q, k, v, cu_of(LENS_FWD))
     out = {}
     for backend in ("dot_scaled", "wgmma"):
         out[backend] = api(q, k, v, LENS_FWD, backend=backend, **kw)
-        _check_forward(*out[backend], ro, rlse, f64, "mxfp8", backend, backend)
+        _check_forward(*out[backend], ro, rlse, f64, recipe, backend, backend)
     err = assert_rel(out["dot_scaled"][0], out["wgmma"][0], 5e-3 if DEVICE == "cuda" else 1e-3, "O dot_scaled vs wgmma")
-    print(f"[measured] O dot_scaled vs wgmma rel L2 {err:.2e}")
+    print(f"[measured] {recipe}: O dot_scaled vs wgmma rel L2 {err:.2e}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -928,7 +964,7 @@ def test_forward_dot_scaled_backend():
 # 2.5-4%), and the kernel's error vs exact fp64 gradients must stay within 1.5x the oracle's own
 # error vs fp64 + 2e-2 (measured ~1.25x). nvfp4 (NVFP4 Q/K, MXFP8 V/dO): the same bounds (measured
 # 2.5-4% vs oracle, 1.04x the oracle's error vs fp64).
-GRAD_TOL = {"bf16": 1e-2, "mxfp8": 6e-2, "nvfp4": 6e-2}
+GRAD_TOL = {"bf16": 1e-2, "mxfp8": 6e-2, "nvfp4": 6e-2, "mxfp4": 6e-2}
 GRAD_CASES = [  # recipe, block_tokens, causal, (H, HK), dtype, layout
     ("bf16", 1, True, (4, 2), BF16, "self"),
     ("mxfp8", 1, True, (4, 2), BF16, "self"),
@@ -937,6 +973,7 @@ GRAD_CASES = [  # recipe, block_tokens, causal, (H, HK), dtype, layout
     ("mxfp8", 32, True, (2, 1), FP16, "self"),
     ("mxfp8", 32, True, (2, 2), BF16, "cross"),
     ("nvfp4", 32, True, (4, 2), BF16, "self"),
+    ("mxfp4", 32, True, (4, 2), BF16, "self"),
 ]
 
 
@@ -1178,8 +1215,9 @@ def _flamia_fn(**kw):
     ("mxfp8", 1, ("q", "k", "v"), {0: [16], 5: [140]}, False),
     ("bf16", 1, ("q", "k", "v"), {0: [16], 5: [140]}, False),
     ("nvfp4", 32, ("k", "v"), {0: [16], 5: [140]}, False),
+    ("mxfp4", 32, ("q", "k"), {0: [16], 5: [140]}, False),
     ("mxfp8", 32, ("q", "k"), {0: [16], 5: [140]}, True),
-], ids=["mxfp8-bt32", "mxfp8-bt128", "mxfp8-bt1", "bf16", "nvfp4-bt32", "mxfp8-bt32-rotate_qk"])
+], ids=["mxfp8-bt32", "mxfp8-bt128", "mxfp8-bt1", "bf16", "nvfp4-bt32", "mxfp4-bt32", "mxfp8-bt32-rotate_qk"])
 def test_audit_causality_safe(recipe, bt, tensors, positions, rotate):
     """With the safeguard on, no output row (O and LSE, bitwise) of an earlier position of the same
     document or of any other document changes when one token's q, k or v becomes a 1e3 outlier."""

@@ -65,7 +65,7 @@ class Config:
     ffn_dim: int = 1536  # SwiGLU hidden width (~8/3 d_model, rounded up)
     tie_embeddings: bool = True  # share input embedding and output head (why: see Llama)
     rope_theta: float = 10000.0  # RoPE base
-    attn: str = "mxfp8"  # bf16 | mxfp8 | nvfp4 (FLAMIA recipes) | sdpa (independent PyTorch reference)
+    attn: str = "mxfp8"  # bf16 | mxfp8 | nvfp4 | mxfp4 (FLAMIA recipes) | sdpa (independent PyTorch reference)
     unsafe_leaky_attention: bool = False  # mxfp8 WITHOUT the causal safeguard: leaks the future (demo)
     rotate_qk: bool = False  # Hadamard-rotate Q and K before quantizing (flamia rotate_qk; same logits)
     tokens_per_batch: int = 32768  # token budget per rank and step; global batch = this x world size
