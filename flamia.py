@@ -1022,9 +1022,6 @@ def _attn_forward(q, k, v, plan: Plan, *, causal, softmax_scale, recipe, block_t
     Tk, HK = k.shape[:2]
     quant = recipe != "bf16"
     safeguard = quant and causal and safeguard and block_tokens > 1
-    if recipe == "nvfp4" and backend == "dot_scaled":
-        raise ValueError("recipe='nvfp4' runs with backend='wgmma' (exact emulation of FP4): tl.dot_scaled takes "
-                         "no E4M3 block scales; backend='dot_scaled' is for recipe='mxfp8' or 'mxfp4'")
     flag = torch.zeros(1, dtype=torch.int32, device=q.device)
     if quant:
         ops = _quantize_qkv(q, k, v, plan, recipe, block_tokens, safeguard, flag)
@@ -1497,6 +1494,9 @@ def _check_options(recipe, block_tokens, backend):
     _check_block_tokens(block_tokens)
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if backend == "dot_scaled" and recipe not in ("mxfp8", "mxfp4"):  # E8M0-scaled operands only
+        raise ValueError(f"backend='dot_scaled' is for recipe='mxfp8' or 'mxfp4', got recipe={recipe!r}; "
+                         "use backend='wgmma' (nvfp4: tl.dot_scaled takes no E4M3 block scales)")
 
 
 def _default_backend(x: torch.Tensor, recipe: str) -> str:

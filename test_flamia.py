@@ -933,6 +933,19 @@ def test_forward_safeguard_numerics():
         assert gap > 1e-2, f"bt={bt}: the unsafe oracle is only {gap:.2e} away: this layout has no teeth"
 
 
+def test_default_backend_per_recipe_and_gpu(monkeypatch):
+    """backend=None picks tl.dot_scaled on Blackwell (sm_100+) for the MX recipes only: nvfp4's E4M3
+    block scales are not a tl.dot_scaled input, so it keeps the emulation there (it used to default to
+    dot_scaled on Blackwell and then refuse it); Hopper and the CPU take the wgmma path."""
+    class FakeCuda:  # only what _default_backend reads
+        is_cuda, device = True, "cuda:0"
+    for major, expect in ((9, {}), (10, {"mxfp8": "dot_scaled", "mxfp4": "dot_scaled"})):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, major=major: (major, 0))
+        for recipe in flamia.RECIPES:
+            assert flamia._default_backend(FakeCuda(), recipe) == expect.get(recipe, "wgmma"), (major, recipe)
+    assert flamia._default_backend(torch.zeros(1), "mxfp8") == "wgmma"
+
+
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4"])
 def test_forward_dot_scaled_backend(recipe):
     """backend="dot_scaled" (E8M0 scales inside tl.dot_scaled; runs in the interpreter with triton 3.9,
@@ -1319,6 +1332,7 @@ BAD_API = [  # id, edit of the good arguments, exception, regex the message must
     ("block_tokens_str", lambda a: a.update(block_tokens="32"), ValueError, r"block_tokens must be one of"),
     ("bad_backend", lambda a: a.update(backend="cudnn"), ValueError, r"backend must be one of"),
     ("nvfp4_dot_scaled", lambda a: a.update(recipe="nvfp4", backend="dot_scaled"), ValueError, r"backend"),
+    ("bf16_dot_scaled", lambda a: a.update(recipe="bf16", backend="dot_scaled"), ValueError, r"backend='dot_scaled'"),
     ("inf_in_q", _nonfinite("q", float("inf")), ValueError, r"inf or NaN"),
     ("nan_in_k", _nonfinite("k", float("nan")), ValueError, r"inf or NaN"),
     ("neg_inf_in_v", _nonfinite("v", float("-inf")), ValueError, r"inf or NaN"),
