@@ -1165,16 +1165,29 @@ def test_batched_api_equals_varlen():
         assert_bitwise(x.grad.reshape(B * S, H, D), r, name)
 
 
+@pytest.mark.parametrize("recipe", flamia.RECIPES)
+def test_custom_op_fake_matches_real(recipe):
+    """torch.compile traces the forward op through its fake implementation: its outputs (O, LSE and the
+    quantized operands saved for the backward) must have the real op's shapes and dtypes, with and
+    without the safeguard's per-token copies (torch.library.opcheck, test_faketensor)."""
+    lens = (0, 1, 31, 33, 70)
+    q, k, v = qkv(36, sum(lens))
+    for bt in (1, 32):
+        args = (q, k, v, cu_of(lens), cu_of(lens), [0, 0, 0], True, 0.125, recipe, bt, True, "wgmma", False)
+        torch.library.opcheck(torch.ops.flamia.fwd.default, args, test_utils=("test_faketensor",))
+
+
 class _TinyAttention(torch.nn.Module):
-    def __init__(self, D):
+    def __init__(self, D, recipe):
         super().__init__()
-        self.w = torch.nn.Parameter(torch.linspace(0.5, 1.5, D, dtype=BF16))
+        self.w, self.recipe = torch.nn.Parameter(torch.linspace(0.5, 1.5, D, dtype=BF16)), recipe
 
     def forward(self, q, k, v):
-        return flamia.flamia_attn_func(q * self.w, k, v, block_tokens=32)
+        return flamia.flamia_attn_func(q * self.w, k, v, block_tokens=32, recipe=self.recipe)
 
 
-def test_torch_compile_fullgraph_matches_eager():
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4"])  # mxfp4: FP4 operands saved for the backward
+def test_torch_compile_fullgraph_matches_eager(recipe):
     """torch.compile(fullgraph=True) of a module calling flamia_attn_func (custom ops with fake
     implementations, no graph break) gives the eager forward AND backward: out, dq, dk, dv bitwise (the
     compiled graph calls the same kernels on the same inputs; the only other op is an elementwise bf16
@@ -1186,7 +1199,7 @@ def test_torch_compile_fullgraph_matches_eager():
     gen = torch.Generator().manual_seed(35)
     q, k, v = (randn(gen, B, S, H, D).requires_grad_() for _ in range(3))
     do = randn(gen, B, S, H, D)
-    mod = _TinyAttention(D).to(DEVICE)
+    mod = _TinyAttention(D, recipe).to(DEVICE)
 
     def run(m):
         for x in (q, k, v, mod.w):
