@@ -8,7 +8,7 @@ paper's abstract is public; everything here is derived from it, from public anal
 low-precision leak (MatX, TransformerEngine #3248, cuDNN-frontend #983/#1123) and from
 measurements on an H200. Reading order (each section starts with a `# ---` divider):
 
-  1. formats          E4M3 elements, E8M0 power-of-two scales (MXFP8); NVFP4 (E2M1 + E4M3 + FP32)
+  1. formats          E4M3 + E8M0 scales (MXFP8); NVFP4 (E2M1 + E4M3 + FP32); MXFP4 (E2M1 + E8M0)
   2. scaling & plan   token-block, document-local scaling; the Plan (tiles of packed documents)
   3. quantizers       PyTorch reference and the fused Triton quantizer (bit-identical)
   4. reference oracle the exact function every recipe computes, plus exact fp64 attention
