@@ -610,6 +610,7 @@ def _rotate_qk(q, k, softmax_scale):
 # (identity gradient), so autograd through it gives the gradients the kernels must reproduce.
 RECIPES = ("bf16", "mxfp8", "nvfp4", "mxfp4")
 FP4_RECIPES = ("nvfp4", "mxfp4")  # Q and K in FP4 (E2M1), V and dO in MXFP8
+DOT_SCALED_RECIPES = ("mxfp8", "mxfp4")  # E8M0-scaled operands: what tl.dot_scaled takes
 
 
 def _qk_fp4(recipe: str) -> int:
@@ -1494,7 +1495,7 @@ def _check_options(recipe, block_tokens, backend):
     _check_block_tokens(block_tokens)
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
-    if backend == "dot_scaled" and recipe not in ("mxfp8", "mxfp4"):  # E8M0-scaled operands only
+    if backend == "dot_scaled" and recipe not in DOT_SCALED_RECIPES:
         raise ValueError(f"backend='dot_scaled' is for recipe='mxfp8' or 'mxfp4', got recipe={recipe!r}; "
                          "use backend='wgmma' (nvfp4: tl.dot_scaled takes no E4M3 block scales)")
 
@@ -1503,7 +1504,7 @@ def _default_backend(x: torch.Tensor, recipe: str) -> str:
     # Blackwell (sm_100+) applies E8M0 scales in its tensor cores; Hopper has plain fp8 wgmma, where
     # tl.dot_scaled is emulated through bf16 (289 vs 1184 TFLOP/s measured on H200). NVFP4's E4M3 block
     # scales are not a tl.dot_scaled input: it stays the exact bf16 emulation everywhere.
-    if recipe in ("mxfp8", "mxfp4") and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 10:
+    if recipe in DOT_SCALED_RECIPES and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 10:
         return "dot_scaled"
     return "wgmma"
 
