@@ -35,9 +35,10 @@ Limitations
     functions raise a ValueError when `check_finite=True` (default; costs one host sync per call).
   * Speed (H200): the MXFP8 forward beats the same kernels in BF16 on long documents only; the MXFP8
     backward and short documents are slower, and cuDNN's BF16 is faster than both (README).
-  * recipe="nvfp4" is an exact emulation of FP4 (bf16 MMAs): Triton's tl.dot_scaled takes no E4M3 block
-    scales. recipe="mxfp4" (E8M0 block scales) is the FP4 recipe for Blackwell's tensor cores; that
-    path has only run under the interpreter.
+  * FP4 recipes put K (of S = Q K^T) in FP4 and keep Q, V, dO in MXFP8: the split that trained best on
+    the H200 (README, "The FP4 split"). recipe="nvfp4" is an exact emulation of FP4 (bf16 MMAs): Triton's
+    tl.dot_scaled takes no E4M3 block scales. recipe="mxfp4" (E8M0 block scales) is the FP4 recipe for
+    Blackwell's tensor cores; that path has only run under the interpreter.
 
 What was run where (see README): every kernel runs under Triton's CPU interpreter in CI and on
 an H200 (sm_90). The Blackwell path (`backend="dot_scaled"`, native E8M0 scales through
@@ -609,12 +610,12 @@ def _rotate_qk(q, k, softmax_scale):
 # tested against it; train_llama.py uses it as the CPU path. Quantizers are straight-through
 # (identity gradient), so autograd through it gives the gradients the kernels must reproduce.
 RECIPES = ("bf16", "mxfp8", "nvfp4", "mxfp4")
-FP4_RECIPES = ("nvfp4", "mxfp4")  # Q and K in FP4 (E2M1), V and dO in MXFP8
+FP4_RECIPES = ("nvfp4", "mxfp4")  # K in FP4 (E2M1); Q, V and dO in MXFP8 (README: "The FP4 split")
 DOT_SCALED_RECIPES = ("mxfp8", "mxfp4")  # E8M0-scaled operands: what tl.dot_scaled takes
 
 
-def _qk_fp4(recipe: str) -> int:
-    """The kernels' QK_FP4 constexpr: 0 (Q, K in bf16 or E4M3), 1 (NVFP4), 2 (MXFP4)."""
+def _k_fp4(recipe: str) -> int:
+    """The kernels' K_FP4 constexpr: 0 (K in bf16 or E4M3), 1 (NVFP4), 2 (MXFP4)."""
     return FP4_RECIPES.index(recipe) + 1 if recipe in FP4_RECIPES else 0
 
 
@@ -642,8 +643,8 @@ def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True
 
     Computes in fp32 (fp64 if q is fp64) on the recipe's dequantized operands:
       recipe="bf16":  the inputs as they are.
-      recipe="nvfp4": Q and K in NVFP4 (per token and head; never straddle), V as in mxfp8.
-      recipe="mxfp4": the same with Q and K in MXFP4 (E8M0 scales per 32 elements).
+      recipe="nvfp4": K in NVFP4 (per token and head; never straddles), Q and V as in mxfp8.
+      recipe="mxfp4": the same with K in MXFP4 (E8M0 scales per 32 elements).
       recipe="mxfp8": Q per token, K and V per `block_tokens` block of one document (E4M3 + E8M0);
                       with the safeguard, a (query i, key j) pair whose key block also holds the
                       position of i uses per-token quantized k_j, v_j instead (no future token can
@@ -666,7 +667,7 @@ def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True
         q = _fake_quant(q, cu_seqlens_q, 1)  # Q is never block-scaled: its scale would leak along rows
         k_tok, k = _fake_quant(k, cu_seqlens_k, 1), _fake_quant(k, cu_seqlens_k, block_tokens)
     elif recipe in FP4_RECIPES:
-        q, k = _fake_quant_fp4(q, recipe), _fake_quant_fp4(k, recipe)
+        q, k = _fake_quant(q, cu_seqlens_q, 1), _fake_quant_fp4(k, recipe)
         k_tok = k
     if recipe != "bf16":
         v_tok, v = _fake_quant(v, cu_seqlens_k, 1), _fake_quant(v, cu_seqlens_k, block_tokens)
@@ -724,13 +725,13 @@ def attention_fp64(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True, sof
 # per-token quantized copies KS, VS (a second small MMA on the diagonal tiles). Blocks of earlier
 # keys end before i's block starts and are safe. Q is scaled per token, so nothing leaks along rows.
 @triton.jit
-def _load_qk(PTR, SB, offs_t, h, HEADS, mask, ROWS: tl.constexpr, D: tl.constexpr, QK_FP4: tl.constexpr):
-    """A Q or K tile for the QK^T MMA: the tile as stored (bf16 or E4M3), or for FP4 the E2M1 values times
+def _load_k(PTR, SB, offs_t, h, HEADS, mask, ROWS: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr):
+    """A K tile for the MMAs: the tile as stored (bf16 or E4M3), or for FP4 the E2M1 values times
     their block scales (NVFP4: E4M3 per 16, MXFP4: E8M0 per 32), as bf16. That product has at most 2 + 4
     significant bits, so bf16 holds it exactly and a bf16 MMA is an exact emulation of FP4 (Hopper has
     no FP4 tensor cores)."""
-    if QK_FP4:
-        NB: tl.constexpr = D // 16 if QK_FP4 == 1 else D // 32
+    if FP4:
+        NB: tl.constexpr = D // 16 if FP4 == 1 else D // 32
         offs_p = tl.arange(0, D // 2)
         packed = tl.load(PTR + (offs_t[:, None] * HEADS + h) * (D // 2) + offs_p[None, :], mask=mask[:, None],
                          other=0).to(tl.int32)
@@ -741,7 +742,7 @@ def _load_qk(PTR, SB, offs_t, h, HEADS, mask, ROWS: tl.constexpr, D: tl.constexp
         val = tl.where((code & 8) != 0, -mag, mag)
         offs_b = tl.arange(0, NB)
         sb_ptrs = SB + (offs_t[:, None] * HEADS + h) * NB + offs_b[None, :]
-        if QK_FP4 == 1:  # E4M3
+        if FP4 == 1:  # E4M3
             sb = tl.load(sb_ptrs, mask=mask[:, None], other=0.0).to(tl.float32)
         else:  # E8M0; a NaN block (0xFF -> inf) has codes 0, and 0 * inf = NaN
             sb = _exp2_int(tl.load(sb_ptrs, mask=mask[:, None], other=0).to(tl.int32))
@@ -754,7 +755,7 @@ def _load_qk(PTR, SB, offs_t, h, HEADS, mask, ROWS: tl.constexpr, D: tl.constexp
 
 @triton.jit
 def _load_fp4_raw(PTR, SB, offs_t, h, HEADS, mask, D: tl.constexpr):
-    """An MXFP4 Q or K tile as tl.dot_scaled takes it: packed E2M1 (rows, D/2) and E8M0 scales (rows, D/32)."""
+    """An MXFP4 K tile as tl.dot_scaled takes it: packed E2M1 (rows, D/2) and E8M0 scales (rows, D/32)."""
     offs_p = tl.arange(0, D // 2)
     packed = tl.load(PTR + (offs_t[:, None] * HEADS + h) * (D // 2) + offs_p[None, :], mask=mask[:, None], other=0)
     offs_b = tl.arange(0, D // 32)
@@ -763,10 +764,10 @@ def _load_fp4_raw(PTR, SB, offs_t, h, HEADS, mask, D: tl.constexpr):
 
 
 @triton.jit
-def _token_scale(SCALE, offs_t, h, T, mask, ROWS: tl.constexpr, QUANT: tl.constexpr, QK_FP4: tl.constexpr):
-    """Per-token scale factors of a tile, from the (H, T) scale rows: bf16 recipe: 1; mxfp8: 2^(e - 127)
-    from the E8M0 byte; nvfp4 Q/K: the FP32 second-level scale."""
-    if QK_FP4:
+def _token_scale(SCALE, offs_t, h, T, mask, ROWS: tl.constexpr, QUANT: tl.constexpr, FP4: tl.constexpr):
+    """Per-token scale factors of a tile, from the (H, T) scale rows: bf16 recipe: 1; MXFP8: 2^(e - 127)
+    from the E8M0 byte; FP4 (K of nvfp4 / mxfp4): the FP32 second-level scale."""
+    if FP4:
         scale = tl.load(SCALE + h * T + offs_t, mask=mask, other=1.0)
     elif QUANT:
         scale = _exp2_int(tl.load(SCALE + h * T + offs_t, mask=mask, other=127).to(tl.int32))
@@ -794,11 +795,11 @@ def _key_range(q_start, q_end, qd_start, shift, kd_start, kd_end, BLOCK_N: tl.co
 
 
 @triton.jit
-def _key_scales(EK, EV, hk, T_K, offs_n, kmask, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, QK_FP4: tl.constexpr):
+def _key_scales(EK, EV, hk, T_K, offs_n, kmask, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, K_FP4: tl.constexpr):
     """A key tile's scales: K's (E8M0 byte as int32, or NVFP4's FP32 second level) and V's unbiased
     exponent (-126 past the document, so it never raises the reference exponent)."""
     if QUANT:
-        if QK_FP4:
+        if K_FP4:
             ek = tl.load(EK + hk * T_K + offs_n, mask=kmask, other=1.0)
         else:
             ek = tl.load(EK + hk * T_K + offs_n, mask=kmask, other=127).to(tl.int32)
@@ -814,7 +815,7 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, qscale, q_e8, sm_scale_log2,
                    K, KSB, EK, V, EV, KS, EKS, VS, EVS,
                    stride_vh, stride_vd, stride_vt, T_K, HK, kd_start, kd_end, v_base, v_end, qd_start, shift,
                    D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
-                   MASKED: tl.constexpr, QUANT: tl.constexpr, QK_FP4: tl.constexpr, SAFEGUARD: tl.constexpr,
+                   MASKED: tl.constexpr, QUANT: tl.constexpr, K_FP4: tl.constexpr, SAFEGUARD: tl.constexpr,
                    DOT_SCALED: tl.constexpr):
     """One key tile; ek, ev are its scales (_key_scales), loaded one step ahead: Triton software-pipelines
     only the loads that feed a dot, so the step issues the next tile's scale loads first and their
@@ -824,26 +825,26 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, qscale, q_e8, sm_scale_log2,
     offs_d = tl.arange(0, D)
     kmask = offs_n < kd_end
     ek_next, ev_next = _key_scales(EK, EV, hk, T_K, offs_n + BLOCK_N, offs_n + BLOCK_N < kd_end, BLOCK_N, QUANT,
-                                   QK_FP4)
+                                   K_FP4)
     # fp8 V^T: the aligned local offset keeps its loads provably 16-byte aligned, and its mask (up to the
     # document's padded end, a multiple of 16 holding zeros) constant over 16 keys, so the masked load
     # is still a pipelined 16-byte async copy; a per-key mask would make it a synchronous byte load.
     offs_v = v_base + start_n + tl.arange(0, BLOCK_N)
     vmask = offs_v < v_end
     v_ptrs = hk * stride_vh + offs_d[None, :] * stride_vd + offs_v[:, None] * stride_vt
-    if DOT_SCALED and QK_FP4:
+    if DOT_SCALED and K_FP4:
         k, k_e8 = _load_fp4_raw(K, KSB, offs_n, hk, HK, kmask, D)
     else:
-        k = _load_qk(K, KSB, offs_n, hk, HK, kmask, BLOCK_N, D, QK_FP4)
+        k = _load_k(K, KSB, offs_n, hk, HK, kmask, BLOCK_N, D, K_FP4)
     # s holds QK^T with the column (key) scales applied; the row factor qscale (Q's scale * softmax
     # scale * log2 e) is applied inside the exp2's FMA below, and the row max is taken before it:
     # qscale > 0, so max_j(s * qscale) = qscale * max_j(s) exactly (rounding is monotonic).
-    if DOT_SCALED and QK_FP4:  # Blackwell FP4: E2M1 x E2M1 with E8M0 block scales in the tensor core
-        s = tl.dot_scaled(q, q_e8, "e2m1", tl.trans(k), k_e8, "e2m1") * ek[None, :]
+    if DOT_SCALED and K_FP4:  # Blackwell FP4: E4M3 x E2M1, both with E8M0 block scales, in the tensor core
+        s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), k_e8, "e2m1") * ek[None, :]
     elif DOT_SCALED:  # Blackwell: E8M0 scales applied by the tensor core, 32 head-dim elements each
         s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), tl.broadcast_to(ek.to(tl.uint8)[:, None], (BLOCK_N, D // 32)),
                           "e4m3")
-    elif QK_FP4:
+    elif K_FP4:
         s = tl.dot(q, tl.trans(k)) * ek[None, :]
     elif QUANT:
         s = tl.dot(q, tl.trans(k)) * _exp2_int(ek)[None, :]
@@ -857,15 +858,15 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, qscale, q_e8, sm_scale_log2,
             visible = visible & (pos_k[None, :] <= pos_q[:, None])
         if SAFEGUARD:  # pairs whose key block straddles the query position use per-token K, V
             same = visible & ((pos_k // BLOCK_TOKENS)[None, :] == (pos_q // BLOCK_TOKENS)[:, None])
-            if not QK_FP4:  # NVFP4 K is per token already: only V needs the per-token copy
-                ks = _load_qk(KS, KSB, offs_n, hk, HK, kmask, BLOCK_N, D, QK_FP4)
+            if not K_FP4:  # FP4 K is per token already: only V needs the per-token copy
+                ks = _load_k(KS, KSB, offs_n, hk, HK, kmask, BLOCK_N, D, K_FP4)
                 if DOT_SCALED:
                     eks8 = tl.load(EKS + hk * T_K + offs_n, mask=kmask, other=127)
                     s_tok = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(ks), tl.broadcast_to(
                         eks8[:, None], (BLOCK_N, D // 32)), "e4m3")
                 else:
                     s_tok = tl.dot(q, tl.trans(ks)) * _token_scale(EKS, offs_n, hk, T_K, kmask, BLOCK_N, QUANT,
-                                                                   QK_FP4)[None, :]
+                                                                   K_FP4)[None, :]
                 s = tl.where(same, s_tok, s)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qscale)
@@ -915,12 +916,12 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, qscale, q_e8, sm_scale_log2,
 @triton.jit
 def _attn_fwd(
         Q, EQ, K, EK, V, EV, KS, EKS, VS, EVS,  # operands: data and (H, T) E8M0 exponents; *S = per-token copies
-        QSB, KSB,  # nvfp4: E4M3 block scales of Q and K (then EQ, EK hold the FP32 second-level scales)
+        KSB,  # FP4 K: its block scales (E4M3 or E8M0; then EK holds the FP32 second-level scales)
         O, LSE, TILES,  # outputs (Tq, H, D) and (H, Tq) natural-log LSE; the Plan's query tiles
         stride_vh, stride_vd, stride_vt,  # V's layout: token-transposed (H, D, T_pad) for fp8, else (T, H, D)
         sm_scale_log2, T_Q, T_K, H, HK,  # softmax scale * log2(e); token and head counts
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED_N: tl.constexpr,
-        BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, QUANT: tl.constexpr, QK_FP4: tl.constexpr,
+        BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, QUANT: tl.constexpr, K_FP4: tl.constexpr,
         SAFEGUARD: tl.constexpr, DOT_SCALED: tl.constexpr):
     tile, h = tl.program_id(0), tl.program_id(1)
     hk = h // (H // HK)  # GQA: consecutive query heads share a K/V head
@@ -935,13 +936,12 @@ def _attn_fwd(
     offs_m = q_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     qmask = offs_m < q_end
-    if DOT_SCALED and QK_FP4:  # packed E2M1 and its E8M0 block scales go to the tensor core as stored
-        q, q_e8 = _load_fp4_raw(Q, QSB, offs_m, h, H, qmask, D)
-    else:
-        q = _load_qk(Q, QSB, offs_m, h, H, qmask, BLOCK_M, D, QK_FP4)
-        q_e8 = q  # unused unless DOT_SCALED
-    qscale = _token_scale(EQ, offs_m, h, T_Q, qmask, BLOCK_M, QUANT, QK_FP4) * sm_scale_log2  # S's row factor
-    if DOT_SCALED and not QK_FP4:  # the tensor core applies Q's scale; the row factor is the softmax scale alone
+    q = tl.load(Q + (offs_m[:, None] * H + h) * D + offs_d[None, :], mask=qmask[:, None], other=0.0)
+    if K_FP4 and not DOT_SCALED:  # the emulated FP4 K is bf16: E4M3 -> bf16 is exact
+        q = q.to(tl.bfloat16)
+    q_e8 = q  # unused unless DOT_SCALED
+    qscale = _token_scale(EQ, offs_m, h, T_Q, qmask, BLOCK_M, QUANT, False) * sm_scale_log2  # S's row factor
+    if DOT_SCALED:  # the tensor core applies Q's scale; the row factor is the softmax scale alone
         q_e8 = tl.broadcast_to(tl.load(EQ + h * T_Q + offs_m, mask=qmask, other=127)[:, None], (BLOCK_M, D // 32))
         qscale = tl.full((BLOCK_M,), sm_scale_log2, tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -951,21 +951,21 @@ def _attn_fwd(
     n_full, hi = _key_range(q_start, q_end, qd_start, shift, kd_start, kd_end, BLOCK_N, BLOCK_TOKENS, CAUSAL,
                             SAFEGUARD)
     offs_n = kd_start + tl.arange(0, BLOCK_N)
-    ek, ev = _key_scales(EK, EV, hk, T_K, offs_n, offs_n < kd_end, BLOCK_N, QUANT, QK_FP4)
+    ek, ev = _key_scales(EK, EV, hk, T_K, offs_n, offs_n < kd_end, BLOCK_N, QUANT, K_FP4)
     for start_n in range(0, n_full, BLOCK_N):
         acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_step(
             acc, l_i, m_i, ref_i, ek, ev, q, qscale, q_e8, sm_scale_log2, start_n, offs_m, hk,
             K, KSB, EK, V, EV, KS, EKS, VS, EVS, stride_vh, stride_vd, stride_vt, T_K, HK, kd_start, kd_end, v_base,
-            v_end, qd_start, shift, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False, QUANT, QK_FP4, False, DOT_SCALED)
+            v_end, qd_start, shift, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False, QUANT, K_FP4, False, DOT_SCALED)
     # Masked tiles (the diagonal) are MASKED_N keys wide: narrower tiles there waste fewer masked pairs
     # and keep the mask and safeguard temporaries within the register budget (fewer spills).
     offs_n = kd_start + n_full + tl.arange(0, MASKED_N)
-    ek, ev = _key_scales(EK, EV, hk, T_K, offs_n, offs_n < kd_end, MASKED_N, QUANT, QK_FP4)
+    ek, ev = _key_scales(EK, EV, hk, T_K, offs_n, offs_n < kd_end, MASKED_N, QUANT, K_FP4)
     for start_n in range(n_full, hi - kd_start, MASKED_N):
         acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_step(
             acc, l_i, m_i, ref_i, ek, ev, q, qscale, q_e8, sm_scale_log2, start_n, offs_m, hk,
             K, KSB, EK, V, EV, KS, EKS, VS, EVS, stride_vh, stride_vd, stride_vt, T_K, HK, kd_start, kd_end, v_base,
-            v_end, qd_start, shift, D, MASKED_N, BLOCK_TOKENS, CAUSAL, True, QUANT, QK_FP4, SAFEGUARD, DOT_SCALED)
+            v_end, qd_start, shift, D, MASKED_N, BLOCK_TOKENS, CAUSAL, True, QUANT, K_FP4, SAFEGUARD, DOT_SCALED)
     if QUANT:
         acc = acc * _exp2_int(ref_i + 119)[:, None]  # back from units of 2^(ref - 8)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -990,18 +990,17 @@ def _fwd_config(D: int, recipe: str):
 
 def _quantize_qkv(q, k, v, plan, recipe, block_tokens, safeguard, flag):
     """Quantize the forward's operands, one quantizer launch per tensor. Returns a dict of the operands the
-    kernels read: "q", "k", "ks" as (data, scale, block scale) — mxfp8: (E4M3, E8M0 exponents, unused);
-    nvfp4 / mxfp4: (packed E2M1, FP32 second level, E4M3 / E8M0 block scales) — and "v", "vs" as MXFP8 with the
-    token-transposed copy. "ks", "vs" are the per-token copies of the safeguard (or K, V themselves)."""
+    kernels read: "q" as (E4M3, E8M0 exponents); "k", "ks" as (data, scale, block scale) — mxfp8: (E4M3,
+    E8M0 exponents, unused); nvfp4 / mxfp4: (packed E2M1, FP32 second level, E4M3 / E8M0 block scales) — and
+    "v", "vs" as MXFP8 with the token-transposed copy. "ks", "vs" are the per-token copies of the safeguard
+    (or K, V themselves)."""
     none = q.new_empty(0)
-    if recipe in FP4_RECIPES:  # Q and K: FP4 along the head dim, per token, so the safeguard never needs them
-        mx = recipe == "mxfp4"
-        (qp, qsb, qs2), (kp, ksb, ks2) = (quantize_nvfp4(x, plan, side, flag, mx) for x, side in ((q, "q"), (k, "k")))
-        ops = {"q": (qp, qs2, qsb), "k": (kp, ks2, ksb)}
-        ops["ks"] = ops["k"]
+    q8 = quantize_mxfp8(q, plan, 1, "q", nonfinite_flag=flag)  # Q per token: its scale must not span rows
+    ops = {"q": (q8.data, q8.exp)}
+    if recipe in FP4_RECIPES:  # K: FP4 along the head dim, per token, so the safeguard never needs it
+        kp, ksb, ks2 = quantize_nvfp4(k, plan, "k", flag, recipe == "mxfp4")
+        ops["k"] = ops["ks"] = (kp, ks2, ksb)
     else:
-        q8 = quantize_mxfp8(q, plan, 1, "q", nonfinite_flag=flag)  # Q per token: its scale must not span rows
-        ops = {"q": (q8.data, q8.exp, none)}
         if safeguard:
             k8, ks8 = quantize_mxfp8(k, plan, block_tokens, "k", per_token_copy=True, nonfinite_flag=flag)
             ops["ks"] = (ks8.data, ks8.exp, none)
@@ -1026,13 +1025,13 @@ def _attn_forward(q, k, v, plan: Plan, *, causal, softmax_scale, recipe, block_t
     flag = torch.zeros(1, dtype=torch.int32, device=q.device)
     if quant:
         ops = _quantize_qkv(q, k, v, plan, recipe, block_tokens, safeguard, flag)
-        (Qd, EQ, QSB), (Kd, EK, KSB), (KS, EKS, _) = ops["q"], ops["k"], ops["ks"]
+        (Qd, EQ), (Kd, EK, KSB), (KS, EKS, _) = ops["q"], ops["k"], ops["ks"]
         Vd, EV, VS, EVS = ops["v"].data_t, ops["v"].exp, ops["vs"].data_t, ops["vs"].exp
         strides_v = (D * plan.padded_k, plan.padded_k, 1)  # (H, D, T_pad) token-transposed
     else:
         ops = {}
         Qd, Kd, Vd = (x.contiguous() for x in (q, k, v))
-        EQ = EK = EKS = EV = EVS = QSB = KSB = flag  # unused
+        EQ = EK = EKS = EV = EVS = KSB = flag  # unused
         KS, VS = Kd, Vd
         strides_v = (D, 1, HK * D)  # (T, H, D)
     ops["flag"] = flag
@@ -1043,10 +1042,10 @@ def _attn_forward(q, k, v, plan: Plan, *, causal, softmax_scale, recipe, block_t
     tiles = plan.tiles(BLOCK_M, "q", causal)
     if tiles.shape[0] > 0:
         _attn_fwd[(tiles.shape[0], H)](
-            Qd, EQ, Kd, EK, Vd, EV, KS, EKS, VS, EVS, QSB, KSB, o, lse, tiles, *strides_v,
+            Qd, EQ, Kd, EK, Vd, EV, KS, EKS, VS, EVS, KSB, o, lse, tiles, *strides_v,
             softmax_scale * 1.4426950408889634, Tq, Tk, H, HK,  # log2(e)
             D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, MASKED_N=MASKED_N, BLOCK_TOKENS=block_tokens, CAUSAL=causal, QUANT=quant,
-            QK_FP4=_qk_fp4(recipe), SAFEGUARD=safeguard, DOT_SCALED=backend == "dot_scaled",
+            K_FP4=_k_fp4(recipe), SAFEGUARD=safeguard, DOT_SCALED=backend == "dot_scaled",
             num_warps=warps, num_stages=stages)
     return o, lse, ops
 
@@ -1068,11 +1067,10 @@ def _attn_forward(q, k, v, plan: Plan, *, causal, softmax_scale, recipe, block_t
 # Two kernels, no atomics (deterministic): dK/dV per key tile iterating over query tiles, and dQ per
 # query tile iterating over key tiles (the forward's schedule).
 @triton.jit
-def _query_rows(EQ, EDO, LSE, DELTA, hq, T_Q, offs_m, qmask, BLOCK_M: tl.constexpr, QUANT: tl.constexpr,
-                QK_FP4: tl.constexpr):
+def _query_rows(EQ, EDO, LSE, DELTA, hq, T_Q, offs_m, qmask, BLOCK_M: tl.constexpr, QUANT: tl.constexpr):
     """A query tile's per-row data for the backward: Q's and dO's scales, LSE in log2 units, Delta."""
-    qs = _token_scale(EQ, offs_m, hq, T_Q, qmask, BLOCK_M, QUANT, QK_FP4)
-    dos = _token_scale(EDO, offs_m, hq, T_Q, qmask, BLOCK_M, QUANT, False)  # dO is MXFP8 in both recipes
+    qs = _token_scale(EQ, offs_m, hq, T_Q, qmask, BLOCK_M, QUANT, False)  # Q and dO are MXFP8 in every recipe
+    dos = _token_scale(EDO, offs_m, hq, T_Q, qmask, BLOCK_M, QUANT, False)
     lse2 = tl.load(LSE + hq * T_Q + offs_m, mask=qmask, other=0.0) * 1.4426950408889634  # log2(e)
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # rows without keys: P = 0
     delta = tl.load(DELTA + hq * T_Q + offs_m, mask=qmask, other=0.0)
@@ -1081,18 +1079,20 @@ def _query_rows(EQ, EDO, LSE, DELTA, hq, T_Q, offs_m, qmask, BLOCK_M: tl.constex
 
 @triton.jit
 def _attn_bwd_dkdv_step(dk, dv, qs, dos, lse2, delta, k, v, ks, vs, kscale, vscale, kscale_s, vscale_s, start_m,
-                        offs_n, hq, Q, EQ, QSB, DO, DO16, EDO, LSE, DELTA, sm_scale_log2, T_Q, H, qd_start, kd_start,
+                        offs_n, hq, Q, EQ, DO, DO16, EDO, LSE, DELTA, sm_scale_log2, T_Q, H, qd_start, kd_start,
                         qd_end, shift, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-                        CAUSAL: tl.constexpr, MASKED: tl.constexpr, QUANT: tl.constexpr, QK_FP4: tl.constexpr,
+                        CAUSAL: tl.constexpr, MASKED: tl.constexpr, QUANT: tl.constexpr, K_FP4: tl.constexpr,
                         SAFEGUARD: tl.constexpr):
     """One query tile; its row data (_query_rows) arrives loaded one step ahead, as in the forward."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     qmask = offs_m < qd_end
     rows_next = _query_rows(EQ, EDO, LSE, DELTA, hq, T_Q, offs_m + BLOCK_M, offs_m + BLOCK_M < qd_end, BLOCK_M,
-                            QUANT, QK_FP4)
+                            QUANT)
     ptrs = (offs_m[:, None] * H + hq) * D + offs_d[None, :]
-    q = _load_qk(Q, QSB, offs_m, hq, H, qmask, BLOCK_M, D, QK_FP4)
+    q = tl.load(Q + ptrs, mask=qmask[:, None], other=0.0)
+    if K_FP4:  # the emulated FP4 K is bf16: E4M3 -> bf16 is exact
+        q = q.to(tl.bfloat16)
     do = tl.load(DO + ptrs, mask=qmask[:, None], other=0.0)
     # Row (key) scales are applied to the MMA results; column (query) factors ride in the FMAs below.
     qsl = qs * sm_scale_log2  # Q's scale * softmax scale * log2(e)
@@ -1131,11 +1131,11 @@ def _attn_bwd_dkdv_step(dk, dv, qs, dos, lse2, delta, k, v, ks, vs, kscale, vsca
 @triton.jit
 def _attn_bwd_dkdv(
         Q, EQ, K, EK, V, EV, KS, EKS, VS, EVS, DO, EDO,  # forward operands (all (T, H, D)) and quantized dO
-        QSB, KSB,  # nvfp4 block scales of Q and K
+        KSB,  # FP4 K: its block scales
         DO16, LSE, DELTA, DK, DV, TILES,  # dO as given; (H, Tq) LSE, rowsum(dO * O); outputs (Tk, Hk, D); key tiles
         sm_scale, T_Q, T_K, H, HK,
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-        CAUSAL: tl.constexpr, QUANT: tl.constexpr, QK_FP4: tl.constexpr, SAFEGUARD: tl.constexpr):
+        CAUSAL: tl.constexpr, QUANT: tl.constexpr, K_FP4: tl.constexpr, SAFEGUARD: tl.constexpr):
     tile, hk = tl.program_id(0), tl.program_id(1)
     row = TILES + tile * 8
     k_start, k_end = tl.load(row + TILE_START), tl.load(row + TILE_END)
@@ -1146,15 +1146,15 @@ def _attn_bwd_dkdv(
     offs_d = tl.arange(0, D)
     kmask = offs_n < k_end
     ptrs = (offs_n[:, None] * HK + hk) * D + offs_d[None, :]
-    k = _load_qk(K, KSB, offs_n, hk, HK, kmask, BLOCK_N, D, QK_FP4)
-    kscale = _token_scale(EK, offs_n, hk, T_K, kmask, BLOCK_N, QUANT, QK_FP4)
+    k = _load_k(K, KSB, offs_n, hk, HK, kmask, BLOCK_N, D, K_FP4)
+    kscale = _token_scale(EK, offs_n, hk, T_K, kmask, BLOCK_N, QUANT, K_FP4)
     v = tl.load(V + ptrs, mask=kmask[:, None], other=0.0)
     vscale = _token_scale(EV, offs_n, hk, T_K, kmask, BLOCK_N, QUANT, False)
     ks, vs, kscale_s, vscale_s = k, v, kscale, vscale
     if SAFEGUARD:
-        if not QK_FP4:  # NVFP4 K is per token already
-            ks = _load_qk(KS, KSB, offs_n, hk, HK, kmask, BLOCK_N, D, QK_FP4)
-            kscale_s = _token_scale(EKS, offs_n, hk, T_K, kmask, BLOCK_N, QUANT, QK_FP4)
+        if not K_FP4:  # FP4 K is per token already
+            ks = _load_k(KS, KSB, offs_n, hk, HK, kmask, BLOCK_N, D, K_FP4)
+            kscale_s = _token_scale(EKS, offs_n, hk, T_K, kmask, BLOCK_N, QUANT, K_FP4)
         vs = tl.load(VS + ptrs, mask=kmask[:, None], other=0.0)
         vscale_s = _token_scale(EVS, offs_n, hk, T_K, kmask, BLOCK_N, QUANT, False)
     sm_scale_log2 = sm_scale * 1.4426950408889634
@@ -1179,26 +1179,25 @@ def _attn_bwd_dkdv(
     dv = tl.zeros((BLOCK_N, D), tl.float32)
     for hq in range(hk * (H // HK), (hk + 1) * (H // HK)):  # GQA: sum over the query heads of this K/V head
         offs_m = q_lo + tl.arange(0, BLOCK_M)
-        qs, dos, lse2, delta = _query_rows(EQ, EDO, LSE, DELTA, hq, T_Q, offs_m, offs_m < qd_end, BLOCK_M, QUANT,
-                                           QK_FP4)
+        qs, dos, lse2, delta = _query_rows(EQ, EDO, LSE, DELTA, hq, T_Q, offs_m, offs_m < qd_end, BLOCK_M, QUANT)
         for start_m in range(q_lo, q_mid, BLOCK_M):  # the three loops walk one contiguous tile sequence
             dk, dv, qs, dos, lse2, delta = _attn_bwd_dkdv_step(
                 dk, dv, qs, dos, lse2, delta, k, v, ks, vs, kscale, vscale, kscale_s, vscale_s, start_m, offs_n, hq,
-                Q, EQ, QSB, DO, DO16, EDO, LSE, DELTA, sm_scale_log2, T_Q, H, qd_start, kd_start, qd_end, shift, D,
+                Q, EQ, DO, DO16, EDO, LSE, DELTA, sm_scale_log2, T_Q, H, qd_start, kd_start, qd_end, shift, D,
                 BLOCK_M,
-                BLOCK_TOKENS, CAUSAL, True, QUANT, QK_FP4, SAFEGUARD)
+                BLOCK_TOKENS, CAUSAL, True, QUANT, K_FP4, SAFEGUARD)
         for start_m in range(q_mid, q_full, BLOCK_M):
             dk, dv, qs, dos, lse2, delta = _attn_bwd_dkdv_step(
                 dk, dv, qs, dos, lse2, delta, k, v, ks, vs, kscale, vscale, kscale_s, vscale_s, start_m, offs_n, hq,
-                Q, EQ, QSB, DO, DO16, EDO, LSE, DELTA, sm_scale_log2, T_Q, H, qd_start, kd_start, qd_end, shift, D,
+                Q, EQ, DO, DO16, EDO, LSE, DELTA, sm_scale_log2, T_Q, H, qd_start, kd_start, qd_end, shift, D,
                 BLOCK_M,
-                BLOCK_TOKENS, CAUSAL, False, QUANT, QK_FP4, False)
+                BLOCK_TOKENS, CAUSAL, False, QUANT, K_FP4, False)
         for start_m in range(tl.maximum(q_full, q_mid), qd_end, BLOCK_M):
             dk, dv, qs, dos, lse2, delta = _attn_bwd_dkdv_step(
                 dk, dv, qs, dos, lse2, delta, k, v, ks, vs, kscale, vscale, kscale_s, vscale_s, start_m, offs_n, hq,
-                Q, EQ, QSB, DO, DO16, EDO, LSE, DELTA, sm_scale_log2, T_Q, H, qd_start, kd_start, qd_end, shift, D,
+                Q, EQ, DO, DO16, EDO, LSE, DELTA, sm_scale_log2, T_Q, H, qd_start, kd_start, qd_end, shift, D,
                 BLOCK_M,
-                BLOCK_TOKENS, CAUSAL, True, QUANT, QK_FP4, SAFEGUARD)
+                BLOCK_TOKENS, CAUSAL, True, QUANT, K_FP4, SAFEGUARD)
     tl.store(DK + ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=kmask[:, None])
     tl.store(DV + ptrs, dv.to(DV.dtype.element_ty), mask=kmask[:, None])
 
@@ -1207,18 +1206,18 @@ def _attn_bwd_dkdv(
 def _attn_bwd_dq_step(dq, ek, ev, q, do, qscale_log2, doscale, lse2, delta, start_n, offs_m, hk,
                       K, KSB, EK, V, EV, KS, EKS, VS, EVS, T_K, HK, kd_start, kd_end, qd_start, shift,
                       D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
-                      MASKED: tl.constexpr, QUANT: tl.constexpr, QK_FP4: tl.constexpr, SAFEGUARD: tl.constexpr):
+                      MASKED: tl.constexpr, QUANT: tl.constexpr, K_FP4: tl.constexpr, SAFEGUARD: tl.constexpr):
     """One key tile; its scales (_key_scales) arrive loaded one step ahead, as in the forward."""
     offs_n = kd_start + start_n + tl.arange(0, BLOCK_N)  # start_n: document-local offset
     offs_d = tl.arange(0, D)
     kmask = offs_n < kd_end
     ek_next, ev_next = _key_scales(EK, EV, hk, T_K, offs_n + BLOCK_N, offs_n + BLOCK_N < kd_end, BLOCK_N, QUANT,
-                                   QK_FP4)
+                                   K_FP4)
     ptrs = (offs_n[:, None] * HK + hk) * D + offs_d[None, :]
-    k = _load_qk(K, KSB, offs_n, hk, HK, kmask, BLOCK_N, D, QK_FP4)
+    k = _load_k(K, KSB, offs_n, hk, HK, kmask, BLOCK_N, D, K_FP4)
     v = tl.load(V + ptrs, mask=kmask[:, None], other=0.0)
     if QUANT:  # column (key) scales on the MMA results; row factors ride in the FMAs below
-        kscale = ek if QK_FP4 else _exp2_int(ek)
+        kscale = ek if K_FP4 else _exp2_int(ek)
         s = tl.dot(q, tl.trans(k)) * kscale[None, :]
         dp = tl.dot(do, tl.trans(v)) * _exp2_int(ev + 127)[None, :]
     else:
@@ -1233,9 +1232,9 @@ def _attn_bwd_dq_step(dq, ek, ev, q, do, qscale_log2, doscale, lse2, delta, star
         if SAFEGUARD:
             same = visible & ((pos_k // BLOCK_TOKENS)[None, :] == (pos_q // BLOCK_TOKENS)[:, None])
             ks, kscale_s = k, kscale
-            if not QK_FP4:  # NVFP4 K is per token already
-                ks = _load_qk(KS, KSB, offs_n, hk, HK, kmask, BLOCK_N, D, QK_FP4)
-                kscale_s = _token_scale(EKS, offs_n, hk, T_K, kmask, BLOCK_N, QUANT, QK_FP4)
+            if not K_FP4:  # FP4 K is per token already
+                ks = _load_k(KS, KSB, offs_n, hk, HK, kmask, BLOCK_N, D, K_FP4)
+                kscale_s = _token_scale(EKS, offs_n, hk, T_K, kmask, BLOCK_N, QUANT, K_FP4)
                 s = tl.where(same, tl.dot(q, tl.trans(ks)) * kscale_s[None, :], s)
             vs = tl.load(VS + ptrs, mask=kmask[:, None], other=0.0)
             vscale_s = _token_scale(EVS, offs_n, hk, T_K, kmask, BLOCK_N, QUANT, False)
@@ -1257,11 +1256,11 @@ def _attn_bwd_dq_step(dq, ek, ev, q, do, qscale_log2, doscale, lse2, delta, star
 
 @triton.jit
 def _attn_bwd_dq(
-        Q, EQ, K, EK, V, EV, KS, EKS, VS, EVS, DO, EDO, QSB, KSB,  # as in _attn_bwd_dkdv
+        Q, EQ, K, EK, V, EV, KS, EKS, VS, EVS, DO, EDO, KSB,  # as in _attn_bwd_dkdv
         LSE, DELTA, DQ, TILES,  # output (Tq, H, D); the Plan's query tiles
         sm_scale, T_Q, T_K, H, HK,
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-        CAUSAL: tl.constexpr, QUANT: tl.constexpr, QK_FP4: tl.constexpr, SAFEGUARD: tl.constexpr):
+        CAUSAL: tl.constexpr, QUANT: tl.constexpr, K_FP4: tl.constexpr, SAFEGUARD: tl.constexpr):
     tile, h = tl.program_id(0), tl.program_id(1)
     hk = h // (H // HK)
     row = TILES + tile * 8
@@ -1273,23 +1272,25 @@ def _attn_bwd_dq(
     offs_d = tl.arange(0, D)
     qmask = offs_m < q_end
     ptrs = (offs_m[:, None] * H + h) * D + offs_d[None, :]
-    q = _load_qk(Q, QSB, offs_m, h, H, qmask, BLOCK_M, D, QK_FP4)
+    q = tl.load(Q + ptrs, mask=qmask[:, None], other=0.0)
+    if K_FP4:  # the emulated FP4 K is bf16: E4M3 -> bf16 is exact
+        q = q.to(tl.bfloat16)
     do = tl.load(DO + ptrs, mask=qmask[:, None], other=0.0)
-    qscale, doscale, lse2, delta = _query_rows(EQ, EDO, LSE, DELTA, h, T_Q, offs_m, qmask, BLOCK_M, QUANT, QK_FP4)
+    qscale, doscale, lse2, delta = _query_rows(EQ, EDO, LSE, DELTA, h, T_Q, offs_m, qmask, BLOCK_M, QUANT)
     qscale_log2 = qscale * (sm_scale * 1.4426950408889634)
     n_full, hi = _key_range(q_start, q_end, qd_start, shift, kd_start, kd_end, BLOCK_N, BLOCK_TOKENS, CAUSAL,
                             SAFEGUARD)
     dq = tl.zeros((BLOCK_M, D), tl.float32)
     offs_n = kd_start + tl.arange(0, BLOCK_N)
-    ek, ev = _key_scales(EK, EV, hk, T_K, offs_n, offs_n < kd_end, BLOCK_N, QUANT, QK_FP4)
+    ek, ev = _key_scales(EK, EV, hk, T_K, offs_n, offs_n < kd_end, BLOCK_N, QUANT, K_FP4)
     for start_n in range(0, n_full, BLOCK_N):
         dq, ek, ev = _attn_bwd_dq_step(dq, ek, ev, q, do, qscale_log2, doscale, lse2, delta, start_n, offs_m, hk,
                                        K, KSB, EK, V, EV, KS, EKS, VS, EVS, T_K, HK, kd_start, kd_end, qd_start,
-                                       shift, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False, QUANT, QK_FP4, False)
+                                       shift, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False, QUANT, K_FP4, False)
     for start_n in range(n_full, hi - kd_start, BLOCK_N):
         dq, ek, ev = _attn_bwd_dq_step(dq, ek, ev, q, do, qscale_log2, doscale, lse2, delta, start_n, offs_m, hk,
                                        K, KSB, EK, V, EV, KS, EKS, VS, EVS, T_K, HK, kd_start, kd_end, qd_start,
-                                       shift, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, True, QUANT, QK_FP4, SAFEGUARD)
+                                       shift, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, True, QUANT, K_FP4, SAFEGUARD)
     tl.store(DQ + ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=qmask[:, None])
 
 
@@ -1310,17 +1311,17 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, *, causal, softmax_scal
     delta = (o.float() * do.float()).sum(-1).t().contiguous()  # (H, Tq): rowsum(P * dP) = dO . O
     if quant:
         do8 = quantize_mxfp8(do, plan, block_tokens, "q")
-        (Qd, EQ, QSB), (Kd, EK, KSB), (KS, EKS, _) = ops["q"], ops["k"], ops["ks"]
+        (Qd, EQ), (Kd, EK, KSB), (KS, EKS, _) = ops["q"], ops["k"], ops["ks"]
         operands = (Qd, EQ, Kd, EK, ops["v"].data, ops["v"].exp, KS, EKS, ops["vs"].data, ops["vs"].exp,
-                    do8.data, do8.exp, QSB, KSB)
+                    do8.data, do8.exp, KSB)
     else:
         q, k, v = (x.contiguous() for x in (q, k, v))
-        operands = (q, delta, k, delta, v, delta, k, delta, v, delta, do, delta, delta, delta)  # scales unused
+        operands = (q, delta, k, delta, v, delta, k, delta, v, delta, do, delta, delta)  # scales unused
     init = torch.zeros if plan.keys_without_rows else torch.empty
     dk, dv = init(Tk, HK, D, dtype=q.dtype, device=q.device), init(Tk, HK, D, dtype=q.dtype, device=q.device)
     dq = (torch.zeros if plan.rows_without_keys[causal] else torch.empty)(Tq, H, D, dtype=q.dtype, device=q.device)
     (BM1, BN1, w1, s1), (BM2, BN2, w2, s2) = _bwd_config(D, quant)
-    meta = dict(D=D, BLOCK_TOKENS=block_tokens, CAUSAL=causal, QUANT=quant, QK_FP4=_qk_fp4(recipe),
+    meta = dict(D=D, BLOCK_TOKENS=block_tokens, CAUSAL=causal, QUANT=quant, K_FP4=_k_fp4(recipe),
                 SAFEGUARD=safeguard)
     tiles = plan.tiles(BN1, "k", causal)
     if tiles.shape[0] > 0:
@@ -1375,7 +1376,7 @@ def _plan_for(cu_q: torch.Tensor, cu_k: torch.Tensor, dense: list, total_q: int,
     return plan
 
 
-_SAVED = 12  # quantized operands the forward hands to the backward: q (3), k (3), ks (2), v (2), vs (2)
+_SAVED = 11  # quantized operands the forward hands to the backward: q (2), k (3), ks (2), v (2), vs (2)
 
 
 def _pack_saved(ops):
@@ -1388,9 +1389,9 @@ def _pack_saved(ops):
 
 
 def _unpack_saved(saved):
-    ops = {"q": tuple(saved[0:3]), "k": tuple(saved[3:6]), "v": MXFP8(saved[8], saved[9])}
-    ops["ks"] = (saved[6], saved[7], saved[5]) if saved[6].numel() else ops["k"]
-    ops["vs"] = MXFP8(saved[10], saved[11]) if saved[10].numel() else ops["v"]
+    ops = {"q": tuple(saved[0:2]), "k": tuple(saved[2:5]), "v": MXFP8(saved[7], saved[8])}
+    ops["ks"] = (saved[5], saved[6], saved[4]) if saved[5].numel() else ops["k"]
+    ops["vs"] = MXFP8(saved[9], saved[10]) if saved[9].numel() else ops["v"]
     return ops
 
 
@@ -1427,9 +1428,9 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale, recipe,
         block_scales = ((D // NVFP4_BLOCK, f8) if recipe == "nvfp4" else (D // MXFP4_BLOCK, u8))
         fp4 = lambda T, h: [q.new_empty(T, h, D // 2, dtype=u8), q.new_empty(h, T, dtype=torch.float32),
                             q.new_empty(T, h, block_scales[0], dtype=block_scales[1])]
-        saved = fp4(Tq, H) + fp4(Tk, HK) + [e(), e()]
+        saved = mx(Tq, H) + fp4(Tk, HK) + [e(), e()]
     else:
-        saved = mx(Tq, H) + [e()] + mx(Tk, HK) + [e()] + (mx(Tk, HK) if tok else [e(), e()])
+        saved = mx(Tq, H) + mx(Tk, HK) + [e()] + (mx(Tk, HK) if tok else [e(), e()])
     saved += mx(Tk, HK) + (mx(Tk, HK) if tok else [e(), e()])
     return [torch.empty_like(q), q.new_empty(H, Tq, dtype=torch.float32)] + saved
 
@@ -1524,9 +1525,9 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     q: (total_q, H, D); k, v: (total_k, Hk, D) with H % Hk == 0 (GQA/MQA); bf16 or fp16; D in (64, 128).
     cu_seqlens_q / cu_seqlens_k: int32 (n_docs + 1,) document offsets; max_seqlen_*: upper bounds of the
     document lengths (as in flash-attn). causal: per-document causal mask, bottom-right aligned.
-    recipe: "mxfp8" (FLAMIA), "bf16" (the same kernels without quantization), "nvfp4" or "mxfp4" (Q, K in
-        FP4, V, dO in MXFP8; nvfp4 is an exact bf16 emulation everywhere, mxfp4 runs on Blackwell's FP4
-        tensor cores with backend="dot_scaled").
+    recipe: "mxfp8" (FLAMIA), "bf16" (the same kernels without quantization), "nvfp4" or "mxfp4" (K in
+        FP4; Q, V, dO in MXFP8; nvfp4 is an exact bf16 emulation everywhere, mxfp4 runs on Blackwell's
+        tensor cores, E4M3 x E2M1, with backend="dot_scaled").
     block_tokens: tokens per K/V/dO scale block (1, 32, 64, 128); Q is always scaled per token.
     safeguard: False disables the causal safeguard (LEAKS the future; for tests and demos only).
     rotate_qk: multiply Q and K by a +-1 Hadamard matrix with random signs before quantizing (same
