@@ -33,7 +33,7 @@ Limitations
     NaN), so outputs that depend on it are NaN, never finite garbage (with the caveat that a NaN key
     also reaches the earlier rows of its own key tile through 0 * NaN in the P V MMA); the public
     functions raise a ValueError when `check_finite=True` (default; costs one host sync per call).
-  * Speed (H200): the MXFP8 forward beats the same kernels in BF16 on long documents only; the MXFP8
+  * Speed (H200): the MXFP8 forward is level with the same kernels in BF16 on long documents; the MXFP8
     backward and short documents are slower, and cuDNN's BF16 is faster than both (README).
   * FP4 recipes put K (of S = Q K^T) in FP4 and keep Q, V, dO in MXFP8: the split that trained best on
     the H200 (README, "The FP4 split"). recipe="nvfp4" is an exact emulation of FP4 (bf16 MMAs): Triton's
