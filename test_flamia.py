@@ -685,6 +685,26 @@ def test_nvfp4_per_token_second_level_scale():
         assert (pert[2][t] != base[2][t]).all(), "the outlier did not change its own token's s2"
 
 
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+def test_fp4_recipes_put_only_k_in_fp4(recipe):
+    """The FP4 split (README, "The FP4 split"): the oracle of recipe="nvfp4" / "mxfp4" is attention on
+    Q and V quantized to per-token MXFP8 and K alone in FP4 — equal to the bf16 recipe's oracle on
+    exactly those dequantized operands (fp32 sums in the same order: rel L2 <= 1e-6), and different
+    from putting Q in FP4 too (the split is real)."""
+    gen = torch.Generator().manual_seed(12)
+    lens = (0, 40, 1, 87)
+    cu = cu_of(lens)
+    q, k, v = (randn(gen, sum(lens), 2, 64, dtype=torch.float32) for _ in range(3))
+    fp4 = flamia.quantize_nvfp4_reference if recipe == "nvfp4" else flamia.quantize_mxfp4_reference
+    q8, v8 = (flamia.quantize_mxfp8_reference(x, cu, 1).dequantize() for x in (q, v))
+    k4 = flamia.dequantize_nvfp4(*fp4(k))
+    got = flamia.reference_attention(q, k, v, cu, recipe=recipe)
+    split = flamia.reference_attention(q8, k4, v8, cu, recipe="bf16")
+    assert rel_l2(got, split) <= 1e-6, f"{recipe} oracle != (MXFP8 Q, FP4 K, MXFP8 V): {rel_l2(got, split):.2e}"
+    both = flamia.reference_attention(flamia.dequantize_nvfp4(*fp4(q)), k4, v8, cu, recipe="bf16")
+    assert rel_l2(got, both) > 1e-2, "Q in FP4 gives the same output: the test cannot tell the splits apart"
+
+
 # ---------------------------------------------------------------------------------------------
 # 7. The Plan
 # ---------------------------------------------------------------------------------------------
