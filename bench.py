@@ -203,6 +203,8 @@ def cudnn_impls(lens, H, HK, D):
 def bench_attention(args):
     rows = []
     for name, lens, H, HK, D in workloads(args.quick):
+        if args.workloads and not any(name.startswith(w) for w in args.workloads.split(",")):
+            continue
         T = sum(lens)
         flops = fwd_flops(lens, H, D)
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -522,6 +524,8 @@ def main():
     ap.add_argument("--tune", action="store_true", help="sweep kernel tile configurations")
     ap.add_argument("--block-tokens", action="store_true", help="mxfp8 speed per block_tokens")
     ap.add_argument("--naive-plan", action="store_true", help="also run FLAMIA with tiles in document order")
+    ap.add_argument("--workloads", default="", help="comma-separated name prefixes of the attention workloads "
+                    "to run, e.g. 1doc,gqa (default: all; names as printed in the table)")
     ap.add_argument("--out", default="out", help="directory for JSON and PNG")
     args = ap.parse_args()
     if not torch.cuda.is_available():
