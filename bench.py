@@ -282,9 +282,13 @@ def bench_quant(args):
     for bt in (1, 32):
         for transposed, tok in ((False, False), (True, False), (True, True)):
             out = flamia.quantize_mxfp8(x, plan, bt, transposed=transposed, per_token_copy=tok)
-            blk = out[0] if tok else out
-            ref = flamia.quantize_mxfp8_reference(x, cu, bt)
-            exact = bool((blk.data.view(torch.uint8) == ref.data.view(torch.uint8)).all() and (blk.exp == ref.exp).all())
+            exact = True  # every output, the token-transposed and per-token copies included
+            for got, ref_bt in ((out[0], bt), (out[1], 1)) if tok else ((out, bt),):
+                ref = flamia.quantize_mxfp8_reference(x, cu, ref_bt)
+                exact &= bool((got.data.view(torch.uint8) == ref.data.view(torch.uint8)).all() and (got.exp == ref.exp).all())
+                if transposed:
+                    want = flamia.transpose_tokens_reference(ref.data, plan.offsets_q)
+                    exact &= bool((got.data_t.view(torch.uint8) == want.view(torch.uint8)).all())
             ms = do_bench(lambda: flamia.quantize_mxfp8(x, plan, bt, transposed=transposed, per_token_copy=tok))
             writes = (1 + transposed) * (1 + tok) * (x.numel() + T * H)
             gbs = (2 * x.numel() + writes) / ms / 1e6

@@ -400,30 +400,79 @@ def _exp2_int(e):
 
 
 @triton.jit
-def _quantize_store(x, amax, offs_t, offs_d, in_doc, offs_p, doc_pad_end, h, Y, E, YT, T, T_PAD,
-                    H: tl.constexpr, D: tl.constexpr, WRITE_T: tl.constexpr):
-    e = _scale_exponent(amax)
-    inv = _exp2_int(254 - tl.minimum(e, 253))  # 1/s = 2^(127 - e), exact
-    y = tl.where(e[:, None] == 255, float("nan"), x * inv[:, None]).to(tl.float8e4nv)  # RNE, saturating
-    tl.store(Y + (offs_t[:, None] * H + h) * D + offs_d[None, :], y, mask=in_doc[:, None])
-    tl.store(E + h * T + offs_t, e.to(tl.uint8), mask=in_doc)
-    if WRITE_T:  # over the document's whole padded range, zeros past its end: the padding is defined data,
-        tl.store(YT + (h * D + offs_d[None, :]) * T_PAD + offs_p[:, None], y,  # so the attention kernels may
-                 mask=(offs_p < doc_pad_end)[:, None])  # load it with 16-byte async copies
+def _e4m3_code(v):
+    """The E4M3 byte (as int32) of fp32 v, |v| <= 448 or NaN, rounded to nearest even, by integer
+    arithmetic on the fp32 bits. Used where the bytes feed two stores: there `.to(tl.float8e4nv)`, with
+    Triton 3.6 (ptxas 12.8 / 12.9) on the H200, gave foreign bytes (0x60, 0xFC) in some lanes, as in
+    triton-lang/triton#11111 (README, "Quantizer"). It costs ~2x the cast's time."""
+    bits = v.to(tl.int32, bitcast=True)
+    a = tl.minimum(bits & 0x7FFFFFFF, 0x43E00000)  # |v|, saturated at 448 (E4M3's largest normal)
+    # normal range (|v| >= 2^-6): keep the exponent and 3 mantissa bits, RNE; a carry moves into the exponent
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - ((127 - 7) << 3)
+    # subnormal range: |v| in multiples of 2^-9, RNE: the 24-bit significand shifted right by 141 - exponent
+    shift = tl.minimum(tl.maximum(141 - (a >> 23), 1), 31)
+    full = (a & 0x7FFFFF) | 0x800000
+    sub = (full + (1 << (shift - 1)) - 1 + ((full >> shift) & 1)) >> shift
+    code = tl.where(a >= 0x3C800000, normal, sub)  # 0x3C800000 = 2^-6
+    code = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7F, code)  # NaN
+    return code | ((bits >> 24) & 0x80)  # sign
 
 
 @triton.jit
-def _load_quant_tile(X, TILES, stride_xt, stride_xh, D: tl.constexpr, BLOCK_T: tl.constexpr):
-    """The input tile of a quantizer program: rows of one document, fp32. Also returns which rows hold a
-    non-finite value (detected explicitly: the saturating E4M3 cast would turn inf into 448)."""
+def _quantize_rows(x, amax, offs_t, in_doc, h, Y, E, T, H: tl.constexpr, D: tl.constexpr, WRITE_T: tl.constexpr):
+    """Quantizes rows x (tokens offs_t of head h) with their amax: stores the E4M3 data and the E8M0
+    bytes, and returns the data (with WRITE_T as int32 bytes, for the token-transposed copy)."""
+    e = _scale_exponent(amax)
+    inv = _exp2_int(254 - tl.minimum(e, 253))  # 1/s = 2^(127 - e), exact
+    v = tl.where(e[:, None] == 255, float("nan"), x * inv[:, None])
+    offs = (offs_t[:, None] * H + h) * D + tl.arange(0, D)[None, :]
+    tl.store(E + h * T + offs_t, e.to(tl.uint8), mask=in_doc)
+    if WRITE_T:  # the bytes feed two stores: encoded with integer arithmetic (see _e4m3_code)
+        y = _e4m3_code(v)
+        tl.store(Y.to(tl.pointer_type(tl.uint8), bitcast=True) + offs, y.to(tl.uint8), mask=in_doc[:, None])
+    else:  # one store: the hardware cast (RNE, saturating) is right here, and ~2x faster than the integer route
+        y = v.to(tl.float8e4nv)
+        tl.store(Y + offs, y, mask=in_doc[:, None])
+    return y
+
+
+@triton.jit
+def _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, doc_pad_end, Y, E, YT, T, T_PAD,
+                    H: tl.constexpr, D: tl.constexpr, WRITE_T: tl.constexpr):
+    """Quantizes and stores the four token phases of a tile (rows offs_t + j of x_j, amax a_j)."""
+    b0 = _quantize_rows(x0, a0, offs_t, offs_t < end, h, Y, E, T, H, D, WRITE_T)
+    b1 = _quantize_rows(x1, a1, offs_t + 1, offs_t + 1 < end, h, Y, E, T, H, D, WRITE_T)
+    b2 = _quantize_rows(x2, a2, offs_t + 2, offs_t + 2 < end, h, Y, E, T, H, D, WRITE_T)
+    b3 = _quantize_rows(x3, a3, offs_t + 3, offs_t + 3 < end, h, Y, E, T, H, D, WRITE_T)
+    if WRITE_T:  # tokens 4i..4i+3 of channel d, first in the low byte: one little-endian int32 per (i, d),
+        w = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)  # built in registers, elementwise
+        # Over the document's whole padded range, zeros past its end: the padding is defined data, so the
+        # attention kernels may load it with 16-byte async copies. p0 and doc_pad_end are multiples of 16.
+        offs_w = p0 // 4 + tl.arange(0, offs_t.shape[0])
+        YT32 = YT.to(tl.pointer_type(tl.int32), bitcast=True)
+        tl.store(YT32 + (h * D + tl.arange(0, D)[None, :]) * (T_PAD // 4) + offs_w[:, None], w,
+                 mask=(offs_w < doc_pad_end // 4)[:, None])
+
+
+@triton.jit
+def _load_quant_tile(X, TILES, stride_xt, stride_xh, D: tl.constexpr, ROWS: tl.constexpr, PHASE: tl.constexpr = 0,
+                     STEP: tl.constexpr = 1):
+    """Rows PHASE, PHASE + STEP, ... of a quantizer program's tile (tokens of one document), fp32. Also
+    returns which rows hold a non-finite value (detected explicitly: the saturating E4M3 cast would
+    turn inf into 448)."""
     tile, h = tl.program_id(0), tl.program_id(1)
     start, end = tl.load(TILES + tile * 8 + TILE_START), tl.load(TILES + tile * 8 + TILE_END)
-    offs_t = start + tl.arange(0, BLOCK_T)
-    in_doc = offs_t < end
-    x = tl.load(X + offs_t[:, None] * stride_xt + h * stride_xh + tl.arange(0, D)[None, :], mask=in_doc[:, None],
-                other=0.0).to(tl.float32)
+    offs_t = start + tl.arange(0, ROWS) * STEP + PHASE
+    x = tl.load(X + offs_t[:, None] * stride_xt + h * stride_xh + tl.arange(0, D)[None, :],
+                mask=(offs_t < end)[:, None], other=0.0).to(tl.float32)
     bad = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1)
-    return x, offs_t, in_doc, bad, h
+    return x, offs_t, end, bad, h
+
+
+@triton.jit
+def _row_amax(x, bad):
+    # Non-finite input: make amax +inf so the scale becomes NaN (tl.max may drop a NaN).
+    return tl.where(bad != 0, float("inf"), tl.max(tl.abs(x), axis=1))
 
 
 @triton.jit
@@ -433,24 +482,32 @@ def _quantize_kernel(
         stride_xt, stride_xh, T, T_PAD,  # strides of X (last dim contiguous); token counts
         H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
         WRITE_T: tl.constexpr, WRITE_TOK: tl.constexpr):
-    x, offs_t, in_doc, bad, h = _load_quant_tile(X, TILES, stride_xt, stride_xh, D, BLOCK_T)
+    # The tile is read as four token phases, x_j = rows 4i + j, all in one register layout. The
+    # token-transposed copy then packs four tokens of a channel into an int32 with shifts, elementwise,
+    # and stores 32-bit words, consecutive across a warp (128 contiguous bytes per store). Storing the
+    # (BLOCK_T, D) fp8 tile transposed instead lets Triton shuffle bytes between threads: 19% of copy
+    # bandwidth with byte stores (measured on the H200; 16-byte ones hit the cast bug of _e4m3_code).
+    Q: tl.constexpr = BLOCK_T // 4
+    x0, offs_t, end, bad0, h = _load_quant_tile(X, TILES, stride_xt, stride_xh, D, Q, 0, 4)
+    x1, _, _, bad1, _ = _load_quant_tile(X, TILES, stride_xt, stride_xh, D, Q, 1, 4)
+    x2, _, _, bad2, _ = _load_quant_tile(X, TILES, stride_xt, stride_xh, D, Q, 2, 4)
+    x3, _, _, bad3, _ = _load_quant_tile(X, TILES, stride_xt, stride_xh, D, Q, 3, 4)
     row = TILES + tl.program_id(0) * 8
-    doc_start, doc_pad = tl.load(row + OWN_START), tl.multiple_of(tl.load(row + OWN_PAD), 16)
-    doc_pad_end = tl.multiple_of(doc_pad + (tl.load(row + OWN_END) - doc_start + 15) // 16 * 16, 16)
-    # Token-transposed positions. Telling the compiler they are 16-aligned (tl.multiple_of) gives 16-byte
-    # stores and 2x the bandwidth, but with Triton 3.6 on the H200 that store wrote wrong bytes in the
-    # H=2 tests (exact at H=16): not understood yet, so the copy is written with byte stores.
-    offs_p = doc_pad + (offs_t - doc_start)
-    offs_d = tl.arange(0, D)
-    # Non-finite input: make amax +inf so the scale becomes NaN (tl.max may drop a NaN).
-    amax = tl.where(bad != 0, float("inf"), tl.max(tl.abs(x), axis=1))  # (BLOCK_T,) per token
+    doc_start, doc_pad = tl.load(row + OWN_START), tl.load(row + OWN_PAD)
+    doc_pad_end = doc_pad + (tl.load(row + OWN_END) - doc_start + 15) // 16 * 16
+    p0 = doc_pad + (tl.load(row + TILE_START) - doc_start)  # the tile's first padded position
+    a0, a1, a2, a3 = _row_amax(x0, bad0), _row_amax(x1, bad1), _row_amax(x2, bad2), _row_amax(x3, bad3)
     if WRITE_TOK:  # the per-token copy the causal safeguard uses on the diagonal
-        _quantize_store(x, amax, offs_t, offs_d, in_doc, offs_p, doc_pad_end, h, Y_TOK, E_TOK, YT_TOK, T, T_PAD,
-                        H, D, WRITE_T)
+        _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, doc_pad_end, Y_TOK, E_TOK, YT_TOK,
+                        T, T_PAD, H, D, WRITE_T)
     if BLOCK_TOKENS > 1:  # the tile starts at a block boundary and holds BLOCK_T // B_t whole blocks
-        amax = tl.max(tl.reshape(amax, (BLOCK_T // BLOCK_TOKENS, BLOCK_TOKENS)), axis=1)
-        amax = tl.reshape(tl.broadcast_to(amax[:, None], (BLOCK_T // BLOCK_TOKENS, BLOCK_TOKENS)), (BLOCK_T,))
-    _quantize_store(x, amax, offs_t, offs_d, in_doc, offs_p, doc_pad_end, h, Y, E, YT, T, T_PAD, H, D, WRITE_T)
+        amax = tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3))  # tokens 4i..4i+3
+        amax = tl.max(tl.reshape(amax, (BLOCK_T // BLOCK_TOKENS, BLOCK_TOKENS // 4)), axis=1)
+        a0 = tl.reshape(tl.broadcast_to(amax[:, None], (BLOCK_T // BLOCK_TOKENS, BLOCK_TOKENS // 4)), (Q,))
+        a1, a2, a3 = a0, a0, a0
+    _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, doc_pad_end, Y, E, YT, T, T_PAD, H, D,
+                    WRITE_T)
+    bad = tl.maximum(tl.maximum(bad0, bad1), tl.maximum(bad2, bad3))
     tl.store(FLAG, 1, mask=tl.max(bad) != 0)  # any non-finite value: the host raises if asked
 
 
@@ -504,7 +561,8 @@ def _quantize_fp4_kernel(
         H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, MX: tl.constexpr):
     """NVFP4 (MX=False) or MXFP4 in one pass, bit-identical to quantize_nvfp4_reference /
     quantize_mxfp4_reference (IEEE-rounded divisions, like torch)."""
-    x, offs_t, in_doc, bad, h = _load_quant_tile(X, TILES, stride_xt, stride_xh, D, BLOCK_T)
+    x, offs_t, end, bad, h = _load_quant_tile(X, TILES, stride_xt, stride_xh, D, BLOCK_T)
+    in_doc = offs_t < end
     if MX:  # E8M0 per 32 elements; the second level is 1
         NB: tl.constexpr = D // 32
         xb = tl.reshape(x, (BLOCK_T, NB, 32))
