@@ -19,8 +19,8 @@ measurements on an H200. Reading order (each section starts with a `# ---` divid
 The leak, in one paragraph. A scale shared by several tokens is a function of all of them. If
 key j's quantized value depends on a later token j' of its block, a query i with j <= i < j'
 sees the future through j's rounding. FLAMIA therefore (a) scales Q per token, (b) scales K, V
-and dO per block of `block_tokens` consecutive tokens of ONE document and ONE head (blocks
-restart at every document start, so nothing crosses documents), and (c) applies a *targeted
+(and the FP4 recipes' dO) per block of `block_tokens` consecutive tokens of ONE document and ONE
+head (blocks restart at every document start, so nothing crosses documents), and (c) applies a *targeted
 safeguard*: for the (query, key) pairs whose key block straddles the query position — only on
 the diagonal — the kernel uses a per-token quantized copy of K and V instead. Everything that
 is a statistic over the sequence (the online-softmax max, the P scale) is taken per query row
@@ -33,8 +33,9 @@ Limitations
     NaN), so outputs that depend on it are NaN, never finite garbage (with the caveat that a NaN key
     also reaches the earlier rows of its own key tile through 0 * NaN in the P V MMA); the public
     functions raise a ValueError when `check_finite=True` (default; costs one host sync per call).
-  * Speed (H200): the MXFP8 forward is level with the same kernels in BF16 on long documents; the MXFP8
-    backward and short documents are slower, and cuDNN's BF16 is faster than both (README).
+  * Speed (H200): MXFP8 fwd+bwd beats the same kernels in BF16 on long documents (one 16k document: 427
+    vs 406 TFLOP/s) and loses on short ones (quantization passes), and cuDNN's BF16 is faster than both
+    (README). The backward runs bf16 MMAs on the dequantized fp8 operands (measured faster, section 5b).
   * FP4 recipes put K (of S = Q K^T) in FP4 and keep Q, V, dO in MXFP8: the split that trained best on
     the H200 (README, "The FP4 split"). recipe="nvfp4" is an exact emulation of FP4 (bf16 MMAs): Triton's
     tl.dot_scaled takes no E4M3 block scales. recipe="mxfp4" (E8M0 block scales) is the FP4 recipe for
@@ -402,9 +403,7 @@ def _exp2_int(e):
 @triton.jit
 def _e4m3_code(v):
     """The E4M3 byte (as int32) of fp32 v, |v| <= 448 or NaN, rounded to nearest even, by integer
-    arithmetic on the fp32 bits. Used where the bytes feed two stores: there `.to(tl.float8e4nv)`, with
-    Triton 3.6 (ptxas 12.8 / 12.9) on the H200, gave foreign bytes (0x60, 0xFC) in some lanes, as in
-    triton-lang/triton#11111 (README, "Quantizer"). It costs ~2x the cast's time."""
+    arithmetic on the fp32 bits: the interpreter's twin of _e4m3_word's PTX (see there)."""
     bits = v.to(tl.int32, bitcast=True)
     a = tl.minimum(bits & 0x7FFFFFFF, 0x43E00000)  # |v|, saturated at 448 (E4M3's largest normal)
     # normal range (|v| >= 2^-6): keep the exponent and 3 mantissa bits, RNE; a carry moves into the exponent
@@ -419,33 +418,49 @@ def _e4m3_code(v):
 
 
 @triton.jit
+def _e4m3_word(v0, v1, v2, v3, PTX_CVT: tl.constexpr):
+    """The E4M3 bytes of four fp32 tensors (|v| <= 448 or NaN, RNE) packed into one little-endian int32,
+    v0 in the low byte. Where the bytes feed two stores (the data and its token-transposed copy) Triton's
+    own `.to(tl.float8e4nv)` miscompiled with Triton 3.6 (ptxas 12.8 / 12.9) on the H200: foreign bytes
+    (0x60, 0xFC) in whole channel rows, as in triton-lang/triton#11111 (README, "Quantizer"). On the GPU
+    the word therefore comes from the PTX instruction itself, two cvt.rn.satfinite.e4m3x2.f32 and a mov
+    in registers (bit-exact, and 1.5x faster than the integer encoder); the interpreter, which runs no
+    PTX, uses the integer encoder _e4m3_code (tested bit-identical to torch's cast)."""
+    if PTX_CVT:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+            "mov.b32 $0, {lo, hi}; }", "=r,f,f,f,f", [v0, v1, v2, v3], dtype=tl.int32, is_pure=True, pack=1)
+    return _e4m3_code(v0) | (_e4m3_code(v1) << 8) | (_e4m3_code(v2) << 16) | (_e4m3_code(v3) << 24)
+
+
+@triton.jit
 def _quantize_rows(x, amax, offs_t, in_doc, h, Y, E, T, H: tl.constexpr, D: tl.constexpr, WRITE_T: tl.constexpr):
-    """Quantizes rows x (tokens offs_t of head h) with their amax: stores the E4M3 data and the E8M0
-    bytes, and returns the data (with WRITE_T as int32 bytes, for the token-transposed copy)."""
+    """Quantizes rows x (tokens offs_t of head h) with their amax: stores the E8M0 bytes and, unless
+    WRITE_T (then _quantize_store stores them), the E4M3 data. Returns x / s in fp32."""
     e = _scale_exponent(amax)
     inv = _exp2_int(254 - tl.minimum(e, 253))  # 1/s = 2^(127 - e), exact
     v = tl.where(e[:, None] == 255, float("nan"), x * inv[:, None])
-    offs = (offs_t[:, None] * H + h) * D + tl.arange(0, D)[None, :]
     tl.store(E + h * T + offs_t, e.to(tl.uint8), mask=in_doc)
-    if WRITE_T:  # the bytes feed two stores: encoded with integer arithmetic (see _e4m3_code)
-        y = _e4m3_code(v)
-        tl.store(Y.to(tl.pointer_type(tl.uint8), bitcast=True) + offs, y.to(tl.uint8), mask=in_doc[:, None])
-    else:  # one store: the hardware cast (RNE, saturating) is right here, and ~2x faster than the integer route
-        y = v.to(tl.float8e4nv)
-        tl.store(Y + offs, y, mask=in_doc[:, None])
-    return y
+    if not WRITE_T:  # one store: Triton's cast (RNE, saturating) is right here
+        tl.store(Y + (offs_t[:, None] * H + h) * D + tl.arange(0, D)[None, :], v.to(tl.float8e4nv),
+                 mask=in_doc[:, None])
+    return v
 
 
 @triton.jit
 def _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, doc_pad_end, Y, E, YT, T, T_PAD,
-                    H: tl.constexpr, D: tl.constexpr, WRITE_T: tl.constexpr):
+                    H: tl.constexpr, D: tl.constexpr, WRITE_T: tl.constexpr, PTX_CVT: tl.constexpr):
     """Quantizes and stores the four token phases of a tile (rows offs_t + j of x_j, amax a_j)."""
-    b0 = _quantize_rows(x0, a0, offs_t, offs_t < end, h, Y, E, T, H, D, WRITE_T)
-    b1 = _quantize_rows(x1, a1, offs_t + 1, offs_t + 1 < end, h, Y, E, T, H, D, WRITE_T)
-    b2 = _quantize_rows(x2, a2, offs_t + 2, offs_t + 2 < end, h, Y, E, T, H, D, WRITE_T)
-    b3 = _quantize_rows(x3, a3, offs_t + 3, offs_t + 3 < end, h, Y, E, T, H, D, WRITE_T)
+    v0 = _quantize_rows(x0, a0, offs_t, offs_t < end, h, Y, E, T, H, D, WRITE_T)
+    v1 = _quantize_rows(x1, a1, offs_t + 1, offs_t + 1 < end, h, Y, E, T, H, D, WRITE_T)
+    v2 = _quantize_rows(x2, a2, offs_t + 2, offs_t + 2 < end, h, Y, E, T, H, D, WRITE_T)
+    v3 = _quantize_rows(x3, a3, offs_t + 3, offs_t + 3 < end, h, Y, E, T, H, D, WRITE_T)
     if WRITE_T:  # tokens 4i..4i+3 of channel d, first in the low byte: one little-endian int32 per (i, d),
-        w = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)  # built in registers, elementwise
+        w = _e4m3_word(v0, v1, v2, v3, PTX_CVT)  # built in registers, elementwise
+        Y8 = Y.to(tl.pointer_type(tl.uint8), bitcast=True)
+        offs = (offs_t[:, None] * H + h) * D + tl.arange(0, D)[None, :]
+        for j in tl.static_range(4):  # row-major data: byte j of w is token 4i + j
+            tl.store(Y8 + offs + j * H * D, ((w >> (8 * j)) & 0xFF).to(tl.uint8), mask=(offs_t + j < end)[:, None])
         # Over the document's whole padded range, zeros past its end: the padding is defined data, so the
         # attention kernels may load it with 16-byte async copies. p0 and doc_pad_end are multiples of 16.
         offs_w = p0 // 4 + tl.arange(0, offs_t.shape[0])
@@ -481,12 +496,12 @@ def _quantize_kernel(
         Y, E, YT, Y_TOK, E_TOK, YT_TOK,  # outputs: data (T, H, D), exp (H, T), data_t (H, D, T_pad); *_TOK per token
         stride_xt, stride_xh, T, T_PAD,  # strides of X (last dim contiguous); token counts
         H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-        WRITE_T: tl.constexpr, WRITE_TOK: tl.constexpr):
+        WRITE_T: tl.constexpr, WRITE_TOK: tl.constexpr, PTX_CVT: tl.constexpr):
     # The tile is read as four token phases, x_j = rows 4i + j, all in one register layout. The
     # token-transposed copy then packs four tokens of a channel into an int32 with shifts, elementwise,
     # and stores 32-bit words, consecutive across a warp (128 contiguous bytes per store). Storing the
     # (BLOCK_T, D) fp8 tile transposed instead lets Triton shuffle bytes between threads: 19% of copy
-    # bandwidth with byte stores (measured on the H200; 16-byte ones hit the cast bug of _e4m3_code).
+    # bandwidth with byte stores (measured on the H200; 16-byte ones hit the cast bug of _e4m3_word).
     Q: tl.constexpr = BLOCK_T // 4
     x0, offs_t, end, bad0, h = _load_quant_tile(X, TILES, stride_xt, stride_xh, D, Q, 0, 4)
     x1, _, _, bad1, _ = _load_quant_tile(X, TILES, stride_xt, stride_xh, D, Q, 1, 4)
@@ -499,14 +514,14 @@ def _quantize_kernel(
     a0, a1, a2, a3 = _row_amax(x0, bad0), _row_amax(x1, bad1), _row_amax(x2, bad2), _row_amax(x3, bad3)
     if WRITE_TOK:  # the per-token copy the causal safeguard uses on the diagonal
         _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, doc_pad_end, Y_TOK, E_TOK, YT_TOK,
-                        T, T_PAD, H, D, WRITE_T)
+                        T, T_PAD, H, D, WRITE_T, PTX_CVT)
     if BLOCK_TOKENS > 1:  # the tile starts at a block boundary and holds BLOCK_T // B_t whole blocks
         amax = tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3))  # tokens 4i..4i+3
         amax = tl.max(tl.reshape(amax, (BLOCK_T // BLOCK_TOKENS, BLOCK_TOKENS // 4)), axis=1)
         a0 = tl.reshape(tl.broadcast_to(amax[:, None], (BLOCK_T // BLOCK_TOKENS, BLOCK_TOKENS // 4)), (Q,))
         a1, a2, a3 = a0, a0, a0
     _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, doc_pad_end, Y, E, YT, T, T_PAD, H, D,
-                    WRITE_T)
+                    WRITE_T, PTX_CVT)
     bad = tl.maximum(tl.maximum(bad0, bad1), tl.maximum(bad2, bad3))
     tl.store(FLAG, 1, mask=tl.max(bad) != 0)  # any non-finite value: the host raises if asked
 
@@ -542,7 +557,8 @@ def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str
         _quantize_kernel[(tiles.shape[0], H)](
             x, tiles, flag, out.data, out.exp, dt(out), tok.data, tok.exp, dt(tok),
             x.stride(0), x.stride(1), T, t_pad, H=H, D=D, BLOCK_T=QUANT_TILE, BLOCK_TOKENS=block_tokens,
-            WRITE_T=transposed, WRITE_TOK=per_token_copy, num_warps=4)
+            WRITE_T=transposed, WRITE_TOK=per_token_copy, PTX_CVT=os.environ.get("TRITON_INTERPRET") != "1",
+            num_warps=4)
     return (out, tok) if per_token_copy else out
 
 
@@ -1113,17 +1129,64 @@ def _attn_forward(q, k, v, plan: Plan, *, causal, softmax_scale, recipe, block_t
 # ---------------------------------------------------------------------------------------------
 # The backward differentiates the function the forward computed: S is recomputed from exactly the
 # forward's quantized operands (the same safeguard selection on the diagonal) and P from the saved
-# LSE, so the only new rounding is that of dO in dP (quantized once, per token-block) and of the MMA
-# operands P, dS. Per matmul:
-#   S  = Q K^T   fp8 (the forward's operands)       dP = dO V^T  fp8 (head-dim contraction, rank-1 post-scale)
-#   dV = P^T dO  bf16 on the unquantized dO: exact where it can be, and measured faster on the H200
-#                (1-doc 16k: 296 vs 265 TFLOP/s bwd) than upcasting its fp8 copy through f16 per tile
-#   dK = dS^T Q  bf16, Q's per-query scale folded into dS^T
-#   dQ = dS K    bf16, K's per-key scale folded into dS (safeguard pairs use the per-token K)
-# The three sequence contractions stay bf16: their scales vary along the contraction and dS has no
-# a-priori range (see README for the measured accuracy / speed trade-off).
+# LSE. Which matmuls run in fp8 was decided by measurement (H200, one 16k document, torch profiler):
+# with S = Q K^T and dP = dO V^T in fp8 and dV, dK, dQ in bf16 (the sequence contractions, whose
+# scales vary along the contraction), the dK/dV kernel took 4.92 ms and the dQ kernel 3.93 ms, against
+# 4.28 and 2.53 ms for the same kernels in bf16: the fp8 MMAs save less than the per-element scale
+# multiplies and fp8 -> bf16 conversions cost (ncu: 1.5x and 2.3x the instructions; these kernels are
+# issue-bound, not MMA-bound). So MXFP8's backward DEQUANTIZES the forward's E4M3 operands to bf16 --
+# exact: 4 significant bits times a power of two -- and runs the bf16 kernels on them, with dO as
+# given (no dO quantization at all). Every MMA is bf16: the gradients are those of the oracle's
+# function up to bf16 rounding of P and dS, as for recipe="bf16". The FP4 recipes keep the scaled
+# path (K's FP32 second-level scale is not exact in bf16): S, dP on MXFP8 Q, V, dO, bf16 dV, dK, dQ.
 # Two kernels, no atomics (deterministic): dK/dV per key tile iterating over query tiles, and dQ per
-# query tile iterating over key tiles (the forward's schedule).
+# query tile iterating over key tiles (the forward's schedule). Before them, two memory-bound passes:
+# Delta = rowsum(dO * O) (one read of each; PyTorch's five elementwise passes took 0.37 ms at 16k
+# tokens, 20% of an 8 x 2k backward) and, for MXFP8, the dequantization.
+@triton.jit
+def _delta_kernel(O, DO, DELTA, T, H, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """DELTA[h, t] = sum_d O[t, h, d] * dO[t, h, d] in fp32: rowsum(P * dP) of the softmax backward."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    mask = offs_t < T
+    ptrs = (offs_t[:, None] * H + h) * D + tl.arange(0, D)[None, :]
+    o = tl.load(O + ptrs, mask=mask[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + ptrs, mask=mask[:, None], other=0.0).to(tl.float32)
+    tl.store(DELTA + h * T + offs_t, tl.sum(o * do, 1), mask=mask)
+
+
+@triton.jit
+def _dequantize_kernel(X, E, Y, T, H, D: tl.constexpr, BLOCK_T: tl.constexpr, FP16: tl.constexpr):
+    """Y = E4M3 data X times 2^(E - 127) per (token, head), in Y's dtype (exact in bf16)."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    mask = offs_t < T
+    ptrs = (offs_t[:, None] * H + h) * D + tl.arange(0, D)[None, :]
+    e = tl.load(E + h * T + offs_t, mask=mask, other=127).to(tl.int32)
+    y = tl.load(X + ptrs, mask=mask[:, None], other=0.0).to(tl.float32) * _exp2_int(e)[:, None]
+    if FP16:  # a value within a rounding step of fp16's max (65504) can dequantize past it: keep it finite
+        y = tl.where(y > 65504.0, 65504.0, tl.where(y < -65504.0, -65504.0, y))  # (NaN stays NaN)
+    tl.store(Y + ptrs, y.to(Y.dtype.element_ty), mask=mask[:, None])
+
+
+def _delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    T, H, D = o.shape
+    delta = torch.empty(H, T, dtype=torch.float32, device=o.device)
+    if T > 0:
+        _delta_kernel[(triton.cdiv(T, 64), H)](o, do, delta, T, H, D=D, BLOCK_T=64)
+    return delta
+
+
+def _dequantize(x: MXFP8, dtype: torch.dtype) -> torch.Tensor:
+    """The Triton twin of MXFP8.dequantize(), into bf16 / fp16 for the backward's MMAs."""
+    T, H, D = x.data.shape
+    y = torch.empty(T, H, D, dtype=dtype, device=x.data.device)
+    if T > 0:
+        _dequantize_kernel[(triton.cdiv(T, 64), H)](x.data, x.exp, y, T, H, D=D, BLOCK_T=64,
+                                                     FP16=dtype == torch.float16)
+    return y
+
+
 @triton.jit
 def _query_rows(EQ, EDO, LSE, DELTA, hq, T_Q, offs_m, qmask, BLOCK_M: tl.constexpr, QUANT: tl.constexpr):
     """A query tile's per-row data for the backward: Q's and dO's scales, LSE in log2 units, Delta."""
@@ -1274,8 +1337,8 @@ def _attn_bwd_dq_step(dq, ek, ev, q, do, qscale_log2, doscale, lse2, delta, star
     ptrs = (offs_n[:, None] * HK + hk) * D + offs_d[None, :]
     k = _load_k(K, KSB, offs_n, hk, HK, kmask, BLOCK_N, D, K_FP4)
     v = tl.load(V + ptrs, mask=kmask[:, None], other=0.0)
-    if QUANT:  # column (key) scales on the MMA results; row factors ride in the FMAs below
-        kscale = ek if K_FP4 else _exp2_int(ek)
+    if QUANT:  # (FP4 recipes) column (key) scales on the MMA results; row factors ride in the FMAs below
+        kscale = ek  # K's FP32 second-level scale
         s = tl.dot(q, tl.trans(k)) * kscale[None, :]
         dp = tl.dot(do, tl.trans(v)) * _exp2_int(ev + 127)[None, :]
     else:
@@ -1289,7 +1352,7 @@ def _attn_bwd_dq_step(dq, ek, ev, q, do, qscale_log2, doscale, lse2, delta, star
             visible = visible & (pos_k[None, :] <= pos_q[:, None])
         if SAFEGUARD:
             same = visible & ((pos_k // BLOCK_TOKENS)[None, :] == (pos_q // BLOCK_TOKENS)[:, None])
-            ks, kscale_s = k, kscale
+            ks = k
             if not K_FP4:  # FP4 K is per token already
                 ks = _load_k(KS, KSB, offs_n, hk, HK, kmask, BLOCK_N, D, K_FP4)
                 kscale_s = _token_scale(EKS, offs_n, hk, T_K, kmask, BLOCK_N, QUANT, K_FP4)
@@ -1299,16 +1362,16 @@ def _attn_bwd_dq_step(dq, ek, ev, q, do, qscale_log2, doscale, lse2, delta, star
             dp = tl.where(same, tl.dot(do, tl.trans(vs)) * vscale_s[None, :], dp)
         s = tl.where(visible, s, float("-inf"))
     p = tl.exp2(s * qscale_log2[:, None] - lse2[:, None])
-    if QUANT:
+    if QUANT:  # FP4 K is per token, so the safeguard pairs use K itself: one MMA
         ds = p * (dp * doscale[:, None] - delta[:, None])
-        if SAFEGUARD:
-            dq = tl.dot(tl.where(same, 0.0, ds * kscale[None, :]).to(tl.bfloat16), k.to(tl.bfloat16), dq)
-            dq = tl.dot(tl.where(same, ds * kscale_s[None, :], 0.0).to(tl.bfloat16), ks.to(tl.bfloat16), dq)
-        else:
-            dq = tl.dot((ds * kscale[None, :]).to(tl.bfloat16), k.to(tl.bfloat16), dq)
+        dq = tl.dot((ds * kscale[None, :]).to(tl.bfloat16), k, dq)
     else:
         ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq)
+        if SAFEGUARD:
+            dq = tl.dot(tl.where(same, 0.0, ds).to(k.dtype), k, dq)
+            dq = tl.dot(tl.where(same, ds, 0.0).to(ks.dtype), ks, dq)
+        else:
+            dq = tl.dot(ds.to(k.dtype), k, dq)
     return dq, ek_next, ev_next
 
 
@@ -1366,8 +1429,15 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, *, causal, softmax_scal
     quant = recipe != "bf16"
     safeguard = quant and causal and safeguard and block_tokens > 1
     do = do.contiguous()
-    delta = (o.float() * do.float()).sum(-1).t().contiguous()  # (H, Tq): rowsum(P * dP) = dO . O
-    if quant:
+    delta = _delta(o, do)  # (H, Tq): rowsum(P * dP) = dO . O
+    if recipe == "mxfp8":  # bf16 kernels on the exactly dequantized operands (see the section comment)
+        q, k, v = _dequantize(MXFP8(*ops["q"][:2]), q.dtype), _dequantize(MXFP8(*ops["k"][:2]), q.dtype), \
+            _dequantize(ops["v"], q.dtype)
+        ks = _dequantize(MXFP8(*ops["ks"][:2]), q.dtype) if safeguard else k
+        vs = _dequantize(ops["vs"], q.dtype) if safeguard else v
+        quant = False
+        operands = (q, delta, k, delta, v, delta, ks, delta, vs, delta, do, delta, delta)  # scales unused
+    elif quant:
         do8 = quantize_mxfp8(do, plan, block_tokens, "q")
         (Qd, EQ), (Kd, EK, KSB), (KS, EKS, _) = ops["q"], ops["k"], ops["ks"]
         operands = (Qd, EQ, Kd, EK, ops["v"].data, ops["v"].exp, KS, EKS, ops["vs"].data, ops["vs"].exp,
@@ -1586,7 +1656,7 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     recipe: "mxfp8" (FLAMIA), "bf16" (the same kernels without quantization), "nvfp4" or "mxfp4" (K in
         FP4; Q, V, dO in MXFP8; nvfp4 is an exact bf16 emulation everywhere, mxfp4 runs on Blackwell's
         tensor cores, E4M3 x E2M1, with backend="dot_scaled").
-    block_tokens: tokens per K/V/dO scale block (1, 32, 64, 128); Q is always scaled per token.
+    block_tokens: tokens per K/V scale block (FP4 recipes: also dO) (1, 32, 64, 128); Q is always scaled per token.
     safeguard: False disables the causal safeguard (LEAKS the future; for tests and demos only).
     rotate_qk: multiply Q and K by a +-1 Hadamard matrix with random signs before quantizing (same
         S, less quantization error when head-dim channels have outliers; two small matmuls).
