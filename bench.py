@@ -362,8 +362,9 @@ def bench_block_tokens(args):
 def bench_tune(args):
     """Sweep kernel tile configs on one document and on packed documents."""
     rows = []
-    fwd_cfgs = [(64, 128, 64, 4, 3), (64, 128, 128, 4, 3), (64, 64, 64, 4, 3), (128, 128, 64, 8, 3),
-                (128, 128, 128, 8, 3), (128, 64, 64, 8, 3)]  # (BLOCK_M, BLOCK_N, MASKED_N, warps, stages)
+    # (BLOCK_M, BLOCK_N, MASKED_N, warps, stages)
+    fwd_cfgs = [(64, 128, 32, 4, 3), (64, 128, 64, 4, 3), (64, 128, 128, 4, 3), (64, 64, 64, 4, 3),
+                (128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 64, 64, 8, 3)]
     bwd_cfgs = [((32, 128, 8, 3), (128, 64, 8, 3)), ((32, 128, 8, 2), (128, 64, 8, 2)),
                 ((32, 64, 4, 3), (64, 64, 4, 3)), ((64, 128, 8, 3), (128, 64, 8, 3))]
     fwd0, bwd0 = flamia._fwd_config, flamia._bwd_config
