@@ -869,9 +869,13 @@ def _key_range(q_start, q_end, qd_start, shift, kd_start, kd_end, BLOCK_N: tl.co
 
 
 @triton.jit
-def _key_scales(EK, EV, hk, T_K, offs_n, kmask, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, K_FP4: tl.constexpr):
-    """A key tile's scales: K's (E8M0 byte as int32, or NVFP4's FP32 second level) and V's unbiased
-    exponent (-126 past the document, so it never raises the reference exponent)."""
+def _key_scales(EK, EV, hk, T_K, n0, kd_end, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, K_FP4: tl.constexpr,
+                TILE_SCALE: tl.constexpr = False):
+    """The scales of the key tile starting at n0: K's (E8M0 byte as int32, or NVFP4's FP32 second level) and
+    V's unbiased exponent (-126 past the document, so it never raises the reference exponent). TILE_SCALE:
+    the tile lies inside one scale block (B_t a multiple of the tile width), so each is one scalar."""
+    offs_n = n0 if TILE_SCALE else n0 + tl.arange(0, BLOCK_N)
+    kmask = offs_n < kd_end
     if QUANT:
         if K_FP4:
             ek = tl.load(EK + hk * T_K + offs_n, mask=kmask, other=1.0)
@@ -890,16 +894,18 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, qscale, q_e8, sm_scale_log2,
                    stride_vh, stride_vd, stride_vt, T_K, HK, kd_start, kd_end, v_base, v_end, qd_start, shift,
                    D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
                    MASKED: tl.constexpr, QUANT: tl.constexpr, K_FP4: tl.constexpr, SAFEGUARD: tl.constexpr,
-                   DOT_SCALED: tl.constexpr):
+                   DOT_SCALED: tl.constexpr, TILE_SCALE: tl.constexpr = False):
     """One key tile; ek, ev are its scales (_key_scales), loaded one step ahead: Triton software-pipelines
     only the loads that feed a dot, so the step issues the next tile's scale loads first and their
-    latency hides behind this tile's MMAs instead of stalling every iteration."""
+    latency hides behind this tile's MMAs instead of stalling every iteration. TILE_SCALE (unmasked
+    tiles inside one MXFP8 scale block): ek, ev are scalars, folded into per-row factors, which saves
+    two multiplies per element of S (the column scales of S and of P)."""
     start_n = tl.multiple_of(start_n, BLOCK_N)  # document-local offset of the key tile
     offs_n = kd_start + start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     kmask = offs_n < kd_end
-    ek_next, ev_next = _key_scales(EK, EV, hk, T_K, offs_n + BLOCK_N, offs_n + BLOCK_N < kd_end, BLOCK_N, QUANT,
-                                   K_FP4)
+    ek_next, ev_next = _key_scales(EK, EV, hk, T_K, kd_start + start_n + BLOCK_N, kd_end, BLOCK_N, QUANT, K_FP4,
+                                   TILE_SCALE)
     # fp8 V^T: the aligned local offset keeps its loads provably 16-byte aligned, and its mask (up to the
     # document's padded end, a multiple of 16 holding zeros) constant over 16 keys, so the masked load
     # is still a pipelined 16-byte async copy; a per-key mask would make it a synchronous byte load.
@@ -920,6 +926,9 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, qscale, q_e8, sm_scale_log2,
                           "e4m3")
     elif K_FP4:
         s = tl.dot(q, tl.trans(k)) * ek[None, :]
+    elif TILE_SCALE:  # K's one scale joins the row factor (exact: a power of two)
+        s = tl.dot(q, tl.trans(k))
+        qscale = qscale * _exp2_int(ek)
     elif QUANT:
         s = tl.dot(q, tl.trans(k)) * _exp2_int(ek)[None, :]
     else:
@@ -953,20 +962,33 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, qscale, q_e8, sm_scale_log2,
                 evs = tl.load(EVS + hk * T_K + offs_n, mask=kmask, other=1).to(tl.int32) - 127
                 ev2 = tl.where(same, evs[None, :], ev2)
             ref_new = tl.maximum(ref_i, tl.max(ev2, 1))
+        elif TILE_SCALE:
+            ref_new = tl.maximum(ref_i, ev)
         else:  # every row sees every key: one max for the tile
             ref_new = tl.maximum(ref_i, tl.max(ev, 0))
         # p_r = p * 2^(8 - ref): the row part of V's folded scale rides in the exp2's offset for free;
         # the softmax sum takes it back out per row. (p_r can only underflow where p < 2^(ref - 134),
-        # i.e. never unless |V| reaches ~2^100.)
-        p_r = tl.exp2(s * qscale[:, None] - (m_use + (ref_new - 8).to(tl.float32))[:, None])
-        l_i = l_i * alpha + tl.sum(p_r, 1) * _exp2_int(ref_new + 119)  # 2^(ref - 8)
+        # i.e. never unless |V| reaches ~2^100.) With TILE_SCALE, V's whole scale rides there too:
+        # p8 = p_r * 2^ev straight out of the exp2, and the sum divides 2^ev back out. A tile more than
+        # 2^64 below the reference (e.g. all-zero V, ev = -126) would underflow p8 and lose its keys from
+        # the sum: it uses ev_eff = ref - 64 instead, where p8 < 2^-56 rounds to E4M3 zero either way,
+        # so the MMA is unchanged and the sum stays exact.
+        if TILE_SCALE:
+            ev_eff = tl.maximum(ref_new - 64, ev)
+            p8 = tl.exp2(s * qscale[:, None] - (m_use + (ref_new - 8 - ev_eff).to(tl.float32))[:, None])
+            l_i = l_i * alpha + tl.sum(p8, 1) * _exp2_int(127 - ev_eff) * _exp2_int(ref_new + 119)
+        else:
+            p_r = tl.exp2(s * qscale[:, None] - (m_use + (ref_new - 8).to(tl.float32))[:, None])
+            l_i = l_i * alpha + tl.sum(p_r, 1) * _exp2_int(ref_new + 119)  # 2^(ref - 8)
         # one exp2 per row rescales for both the new softmax max and the new reference exponent
         acc = acc * tl.exp2((m_i - m_use) + (ref_i - ref_new).to(tl.float32))[:, None]
         if MASKED:
             v = tl.load(V + v_ptrs, mask=vmask[:, None], other=0.0)
         else:
             v = tl.load(V + v_ptrs)
-        if SAFEGUARD:
+        if TILE_SCALE:
+            acc = tl.dot(p8.to(tl.float8e4nv), v, acc)
+        elif SAFEGUARD:
             p8 = tl.where(same, 0.0, p_r * _exp2_int(ev + 127)[None, :]).to(tl.float8e4nv)
             acc = tl.dot(p8, v, acc)
             vs = tl.load(VS + v_ptrs, mask=vmask[:, None], other=0.0)
@@ -1024,17 +1046,19 @@ def _attn_fwd(
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     n_full, hi = _key_range(q_start, q_end, qd_start, shift, kd_start, kd_end, BLOCK_N, BLOCK_TOKENS, CAUSAL,
                             SAFEGUARD)
-    offs_n = kd_start + tl.arange(0, BLOCK_N)
-    ek, ev = _key_scales(EK, EV, hk, T_K, offs_n, offs_n < kd_end, BLOCK_N, QUANT, K_FP4)
+    # Unmasked key tiles lie inside one scale block when B_t is a multiple of BLOCK_N (both are aligned
+    # to the document start): then their scales are scalars (see _attn_fwd_step).
+    TILE_SCALE: tl.constexpr = QUANT and not K_FP4 and not DOT_SCALED and BLOCK_TOKENS % BLOCK_N == 0
+    ek, ev = _key_scales(EK, EV, hk, T_K, kd_start, kd_end, BLOCK_N, QUANT, K_FP4, TILE_SCALE)
     for start_n in range(0, n_full, BLOCK_N):
         acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_step(
             acc, l_i, m_i, ref_i, ek, ev, q, qscale, q_e8, sm_scale_log2, start_n, offs_m, hk,
             K, KSB, EK, V, EV, KS, EKS, VS, EVS, stride_vh, stride_vd, stride_vt, T_K, HK, kd_start, kd_end, v_base,
-            v_end, qd_start, shift, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False, QUANT, K_FP4, False, DOT_SCALED)
+            v_end, qd_start, shift, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False, QUANT, K_FP4, False, DOT_SCALED,
+            TILE_SCALE)
     # Masked tiles (the diagonal) are MASKED_N keys wide: narrower tiles there waste fewer masked pairs
     # and keep the mask and safeguard temporaries within the register budget (fewer spills).
-    offs_n = kd_start + n_full + tl.arange(0, MASKED_N)
-    ek, ev = _key_scales(EK, EV, hk, T_K, offs_n, offs_n < kd_end, MASKED_N, QUANT, K_FP4)
+    ek, ev = _key_scales(EK, EV, hk, T_K, kd_start + n_full, kd_end, MASKED_N, QUANT, K_FP4)
     for start_n in range(n_full, hi - kd_start, MASKED_N):
         acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_step(
             acc, l_i, m_i, ref_i, ek, ev, q, qscale, q_e8, sm_scale_log2, start_n, offs_m, hk,
@@ -1334,8 +1358,7 @@ def _attn_bwd_dq_step(dq, ek, ev, q, do, qscale_log2, doscale, lse2, delta, star
     offs_n = kd_start + start_n + tl.arange(0, BLOCK_N)  # start_n: document-local offset
     offs_d = tl.arange(0, D)
     kmask = offs_n < kd_end
-    ek_next, ev_next = _key_scales(EK, EV, hk, T_K, offs_n + BLOCK_N, offs_n + BLOCK_N < kd_end, BLOCK_N, QUANT,
-                                   K_FP4)
+    ek_next, ev_next = _key_scales(EK, EV, hk, T_K, kd_start + start_n + BLOCK_N, kd_end, BLOCK_N, QUANT, K_FP4)
     ptrs = (offs_n[:, None] * HK + hk) * D + offs_d[None, :]
     k = _load_k(K, KSB, offs_n, hk, HK, kmask, BLOCK_N, D, K_FP4)
     v = tl.load(V + ptrs, mask=kmask[:, None], other=0.0)
@@ -1404,8 +1427,7 @@ def _attn_bwd_dq(
     n_full, hi = _key_range(q_start, q_end, qd_start, shift, kd_start, kd_end, BLOCK_N, BLOCK_TOKENS, CAUSAL,
                             SAFEGUARD)
     dq = tl.zeros((BLOCK_M, D), tl.float32)
-    offs_n = kd_start + tl.arange(0, BLOCK_N)
-    ek, ev = _key_scales(EK, EV, hk, T_K, offs_n, offs_n < kd_end, BLOCK_N, QUANT, K_FP4)
+    ek, ev = _key_scales(EK, EV, hk, T_K, kd_start, kd_end, BLOCK_N, QUANT, K_FP4)
     for start_n in range(0, n_full, BLOCK_N):
         dq, ek, ev = _attn_bwd_dq_step(dq, ek, ev, q, do, qscale_log2, doscale, lse2, delta, start_n, offs_m, hk,
                                        K, KSB, EK, V, EV, KS, EKS, VS, EVS, T_K, HK, kd_start, kd_end, qd_start,
@@ -1417,11 +1439,13 @@ def _attn_bwd_dq(
     tl.store(DQ + ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=qmask[:, None])
 
 
-def _bwd_config(D: int, quant: bool):
+def _bwd_config(D: int, safeguard: bool):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel (query x key tiles) and of the dQ kernel,
     from `bench.py --tune` on the H200 (D=128): 3 stages beat 2 by 8-16%; bigger query tiles in dK/dV
-    spill registers (cuobjdump -res-usage) and are within 5%."""
-    return (32, 128, 8, 3), (128, 64, 8, 3)
+    spill registers (cuobjdump -res-usage) and are within 5%. With the safeguard the dQ loop also streams
+    the per-token K, V copies: at D=128 three stages of four bf16 key tiles need 256 KiB of shared memory
+    (the H200 has 227), so it takes two stages (192 KiB)."""
+    return (32, 128, 8, 3), (128, 64, 8, 2 if safeguard and D > 64 else 3)
 
 
 def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, *, causal, softmax_scale, recipe, block_tokens, safeguard):
@@ -1450,7 +1474,7 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, *, causal, softmax_scal
     init = torch.zeros if plan.keys_without_rows else torch.empty
     dk, dv = init(Tk, HK, D, dtype=q.dtype, device=q.device), init(Tk, HK, D, dtype=q.dtype, device=q.device)
     dq = (torch.zeros if plan.rows_without_keys[causal] else torch.empty)(Tq, H, D, dtype=q.dtype, device=q.device)
-    (BM1, BN1, w1, s1), (BM2, BN2, w2, s2) = _bwd_config(D, quant)
+    (BM1, BN1, w1, s1), (BM2, BN2, w2, s2) = _bwd_config(D, safeguard)
     meta = dict(D=D, BLOCK_TOKENS=block_tokens, CAUSAL=causal, QUANT=quant, K_FP4=_k_fp4(recipe),
                 SAFEGUARD=safeguard)
     tiles = plan.tiles(BN1, "k", causal)

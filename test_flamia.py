@@ -936,6 +936,26 @@ def test_forward_matches_oracle(recipe, bt, causal, D):
     _check_forward(o, lse, ro, rlse, f64, recipe, f"{recipe} bt={bt} causal={causal} D={D}")
 
 
+def test_forward_tile_scale_path():
+    """block_tokens=128 (a multiple of the forward's 128-key tiles): unmasked key tiles take the path with
+    one scalar K and V scale per tile, folded into per-row factors. Documents long enough for several
+    unmasked tiles, with V's scale blocks spread from 2^-40 to 2^+20 (the folded 2^-ev must stay finite
+    and the reference exponent must rescale correctly across tiles) and one all-zero V block; matches
+    the oracle like every forward."""
+    lens = (300, 0, 7, 520)
+    offs = offsets_of(lens)
+    q, k, v = qkv(13, offs[-1], D=128)
+    for a, b in zip(offs[:-1], offs[1:]):
+        for j, blk in enumerate(range(a, b, 128)):
+            v[blk:min(blk + 128, b)] *= 2.0 ** (-40, 20, 0, -8, 3)[j]
+    v[offs[3] + 256:offs[3] + 384] = 0
+    kw = dict(causal=True, recipe="mxfp8", block_tokens=128, return_lse=True)
+    o, lse = api(q, k, v, lens, **kw)
+    ro, rlse = flamia.reference_attention(q, k, v, cu_of(lens), **kw)
+    f64 = flamia.attention_fp64(q, k, v, cu_of(lens))
+    _check_forward(o, lse, ro, rlse, f64, "mxfp8", "bt=128 tile-scale path")
+
+
 def test_forward_cross_attention_bottom_right():
     """seqlen_q != seqlen_k per document, causal, bottom-right aligned (as flash-attn), mxfp8 with
     32-token blocks and the safeguard, custom softmax_scale: matches the oracle (same tolerances).
@@ -1028,29 +1048,30 @@ def test_forward_dot_scaled_backend(recipe):
 # nvfp4 / mxfp4 (FP4 K; MXFP8 Q, V, and dO, which the oracle does not quantize): rel L2 <= 6e-2
 # (measured ~3.8%), the same bound vs fp64 (measured ~1.07x).
 GRAD_TOL = {"bf16": 1e-2, "mxfp8": 2e-2, "nvfp4": 6e-2, "mxfp4": 6e-2}
-GRAD_CASES = [  # recipe, block_tokens, causal, (H, HK), dtype, layout
-    ("bf16", 1, True, (4, 2), BF16, "self"),
-    ("mxfp8", 1, True, (4, 2), BF16, "self"),
-    ("mxfp8", 32, True, (4, 2), BF16, "self"),
-    ("mxfp8", 32, False, (2, 2), BF16, "self"),
-    ("mxfp8", 32, True, (2, 1), FP16, "self"),
-    ("mxfp8", 32, True, (2, 2), BF16, "cross"),
-    ("nvfp4", 32, True, (4, 2), BF16, "self"),
-    ("mxfp4", 32, True, (4, 2), BF16, "self"),
+GRAD_CASES = [  # recipe, block_tokens, causal, (H, HK), dtype, layout, head_dim
+    ("bf16", 1, True, (4, 2), BF16, "self", 64),
+    ("mxfp8", 1, True, (4, 2), BF16, "self", 64),
+    ("mxfp8", 32, True, (4, 2), BF16, "self", 128),  # D=128 + safeguard: the dQ kernel's largest shared memory
+    ("mxfp8", 32, False, (2, 2), BF16, "self", 64),
+    ("mxfp8", 32, True, (2, 1), FP16, "self", 64),
+    ("mxfp8", 32, True, (2, 2), BF16, "cross", 64),
+    ("nvfp4", 32, True, (4, 2), BF16, "self", 64),
+    ("mxfp4", 32, True, (4, 2), BF16, "self", 64),
 ]
 
 
-@pytest.mark.parametrize("recipe,bt,causal,heads,dtype,layout", GRAD_CASES,
-                         ids=[f"{r}-bt{b}-{'causal' if c else 'full'}-h{h[0]}kv{h[1]}-{str(d)[6:]}-{l}"
-                              for r, b, c, h, d, l in GRAD_CASES])
-def test_backward_matches_oracle(recipe, bt, causal, heads, dtype, layout):
+@pytest.mark.parametrize("recipe,bt,causal,heads,dtype,layout,D", GRAD_CASES,
+                         ids=[f"{r}-bt{b}-{'causal' if c else 'full'}-h{h[0]}kv{h[1]}-{str(d)[6:]}-{l}-d{D}"
+                              for r, b, c, h, d, l, D in GRAD_CASES])
+def test_backward_matches_oracle(recipe, bt, causal, heads, dtype, layout, D):
     """dq, dk, dv of flamia_attn_varlen_func vs autograd through reference_attention (fp32, straight-
     through quantizers) of the same recipe, and vs exact fp64 gradients (tolerances above). Layouts:
     documents of length 0, 1, 31, 32, 33, 150; "cross" has seqlen_k > seqlen_q (bottom-right causal)."""
     H, HK = heads
     lens_q, lens_k = (LENS_FWD, LENS_FWD) if layout == "self" else ((20, 1, 64, 5), (150, 40, 64, 0))
-    q, k, v = qkv(20 + bt + causal + H, sum(lens_q), H=H, HK=HK, dtype=dtype, Tk=sum(lens_k), requires_grad=True)
-    do = randn(torch.Generator().manual_seed(21), sum(lens_q), H, 64, dtype=dtype)
+    q, k, v = qkv(20 + bt + causal + H, sum(lens_q), H=H, HK=HK, D=D, dtype=dtype, Tk=sum(lens_k),
+                  requires_grad=True)
+    do = randn(torch.Generator().manual_seed(21), sum(lens_q), H, D, dtype=dtype)
     kw = dict(causal=causal, recipe=recipe, block_tokens=bt)
     api(q, k, v, lens_q, lens_k, **kw).backward(do)
     cu_q, cu_k = cu_of(lens_q), cu_of(lens_k)
