@@ -12,7 +12,8 @@ on this machine, the quantizer's bandwidth, and accuracy per recipe.
 
 FLOP convention (Triton tutorial / DESIGN.md): fwd = 4 * H * D * sum_docs L(L+1)/2 for causal
 documents, bwd = 2.5 x fwd, fwd+bwd = 3.5 x fwd. Times are medians of triton.testing.do_bench on
-random (never zero) inputs, after warm-up; FLAMIA's times include quantization; bwd = (fwd+bwd) - fwd.
+random (never zero) inputs, after warm-up, and then the median over --rounds interleaved passes over
+all implementations of a workload; FLAMIA's times include quantization; bwd = (fwd+bwd) - fwd.
 Peers, each only if it runs here: cuDNN through nvidia-cudnn-frontend (BF16, ragged/THD for packed
 documents; FP8 per-tensor-scaled for one document: leaky, shown for reference), PyTorch SDPA (cuDNN
 backend; packed equal-length documents as a batch), torch varlen_attn, FlexAttention (document mask).
@@ -32,6 +33,19 @@ import flamia
 
 def do_bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def bench_rounds(fns, rounds):
+    """{name: (fwd, fwd+bwd) callables} -> {name: (fwd ms, fwd+bwd ms)}: each a median over `rounds`
+    round-robin passes of do_bench medians. The H200's clock drifts with heat and power over a run
+    (the same kernel measured 10-15% apart depending on what ran before it), so every implementation
+    is timed in every round, interleaved, instead of one after the other."""
+    times = {name: ([], []) for name in fns}
+    for _ in range(rounds):
+        for name, (fwd, fb) in fns.items():
+            times[name][0].append(do_bench(fwd))
+            times[name][1].append(do_bench(fb))
+    return {name: (sorted(tf)[len(tf) // 2], sorted(tfb)[len(tfb) // 2]) for name, (tf, tfb) in times.items()}
 
 
 def fwd_flops(lens, H, D, causal=True):
@@ -218,25 +232,23 @@ def bench_attention(args):
                  "flex": lambda: flex_impl(lens)}
         if args.naive_plan:
             impls["flamia-mxfp8-naive-order"] = lambda: naive_order_impl(lens)
-        res = {}
+        fns = {}
         for iname, make in impls.items():
             try:
                 fn = make()
                 qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
-                fwd = lambda: fn(q, k, v)
-                fb = lambda: torch.autograd.backward(fn(qq, kk, vv), do)
+                fwd = lambda fn=fn: fn(q, k, v)
+                fb = lambda fn=fn, qq=qq, kk=kk, vv=vv: torch.autograd.backward(fn(qq, kk, vv), do)
                 fwd(), fb()
                 torch.cuda.synchronize()
-                tf, tfb = do_bench(fwd), do_bench(fb)
-                res[iname] = (tf, tfb)
+                fns[iname] = (fwd, fb)
             except Exception as e:
                 print(f"  {name} {iname}: skipped ({type(e).__name__}: {str(e)[:120]})")
         try:
-            for iname, (f, fb) in cudnn_impls(lens, H, HK, D).items():
-                res[iname] = (do_bench(f), do_bench(fb))
+            fns.update(cudnn_impls(lens, H, HK, D))
         except Exception as e:
             print(f"  {name} cudnn: skipped ({type(e).__name__}: {str(e)[:120]})")
-        for iname, (tf, tfb) in res.items():
+        for iname, (tf, tfb) in bench_rounds(fns, args.rounds).items():
             rows.append(dict(workload=name, impl=iname, T=T, H=H, HK=HK, D=D, n_docs=len(lens), fwd_ms=tf,
                              bwd_ms=tfb - tf, fwdbwd_ms=tfb, fwd_tflops=flops / tf / 1e9,
                              bwd_tflops=2.5 * flops / (tfb - tf) / 1e9, fwdbwd_tflops=3.5 * flops / tfb / 1e9))
@@ -347,11 +359,13 @@ def bench_block_tokens(args):
         T, flops = sum(lens), fwd_flops(lens, H, D)
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v, do = (torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+        fns = {}
         for bt in flamia.BLOCK_TOKENS:
             fn = flamia_impl("mxfp8", lens, block_tokens=bt)
             qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
-            tf = do_bench(lambda: fn(q, k, v))
-            tfb = do_bench(lambda: torch.autograd.backward(fn(qq, kk, vv), do))
+            fns[bt] = (lambda fn=fn: fn(q, k, v), lambda fn=fn, qq=qq, kk=kk, vv=vv: torch.autograd.backward(
+                fn(qq, kk, vv), do))
+        for bt, (tf, tfb) in bench_rounds(fns, args.rounds).items():
             rows.append(dict(workload=name, block_tokens=bt, fwd_tflops=flops / tf / 1e9,
                              bwd_tflops=2.5 * flops / (tfb - tf) / 1e9, fwdbwd_tflops=3.5 * flops / tfb / 1e9))
             r = rows[-1]
@@ -386,7 +400,7 @@ def bench_tune(args):
             qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
             o = fn(qq, kk, vv)
             for cfg in bwd_cfgs:
-                flamia._bwd_config = lambda D, quant, cfg=cfg: cfg
+                flamia._bwd_config = lambda D, safeguard, cfg=cfg: cfg
                 try:
                     ms = do_bench(lambda: torch.autograd.backward(o, do, retain_graph=True))
                     rows.append(dict(workload=name, recipe=recipe, kind="bwd", cfg=cfg, ms=ms,
@@ -531,6 +545,8 @@ def main():
     ap.add_argument("--naive-plan", action="store_true", help="also run FLAMIA with tiles in document order")
     ap.add_argument("--workloads", default="", help="comma-separated name prefixes of the attention workloads "
                     "to run, e.g. 1doc,gqa (default: all; names as printed in the table)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per implementation "
+                    "(the median is reported)")
     ap.add_argument("--out", default="out", help="directory for JSON and PNG")
     args = ap.parse_args()
     if not torch.cuda.is_available():
