@@ -225,7 +225,11 @@ def bench_attention(args):
         q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
         k, v = (torch.randn(T, HK, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
         do = torch.randn_like(q)
-        impls = {"flamia-mxfp8": lambda: flamia_impl("mxfp8", lens), "flamia-bf16": lambda: flamia_impl("bf16", lens),
+        impls = {"flamia-mxfp8": lambda: flamia_impl("mxfp8", lens),
+                 # 128-token scale blocks: the forward's unmasked tiles take scalar scales (faster forward on
+                 # long documents; slower backward, see README "Choosing block_tokens")
+                 "flamia-mxfp8 B_t=128": lambda: flamia_impl("mxfp8", lens, block_tokens=128),
+                 "flamia-bf16": lambda: flamia_impl("bf16", lens),
                  "flamia-nvfp4 (FP4 emulated on Hopper)": lambda: flamia_impl("nvfp4", lens),
                  "flamia-mxfp4 (FP4 emulated on Hopper)": lambda: flamia_impl("mxfp4", lens),
                  "sdpa-cudnn": lambda: sdpa_impl(lens), "varlen_attn": lambda: varlen_impl(lens),

@@ -33,9 +33,10 @@ Limitations
     NaN), so outputs that depend on it are NaN, never finite garbage (with the caveat that a NaN key
     also reaches the earlier rows of its own key tile through 0 * NaN in the P V MMA); the public
     functions raise a ValueError when `check_finite=True` (default; costs one host sync per call).
-  * Speed (H200): MXFP8 fwd+bwd beats the same kernels in BF16 on long documents (one 16k document: 427
-    vs 406 TFLOP/s) and loses on short ones (quantization passes), and cuDNN's BF16 is faster than both
-    (README). The backward runs bf16 MMAs on the dequantized fp8 operands (measured faster, section 5b).
+  * Speed (H200): MXFP8 fwd+bwd beats the same kernels in BF16 on long documents (one 16k document: 418
+    vs 401 TFLOP/s) and loses on short ones, and cuDNN's BF16 is faster than both (README). The backward
+    runs bf16 MMAs on the dequantized fp8 operands (measured faster, section 5b). block_tokens=128 gives
+    the fastest forward on long documents (scalar tile scales) but a slower backward (README).
   * FP4 recipes put K (of S = Q K^T) in FP4 and keep Q, V, dO in MXFP8: the split that trained best on
     the H200 (README, "The FP4 split"). recipe="nvfp4" is an exact emulation of FP4 (bf16 MMAs): Triton's
     tl.dot_scaled takes no E4M3 block scales. recipe="mxfp4" (E8M0 block scales) is the FP4 recipe for
