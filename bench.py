@@ -36,8 +36,8 @@ def do_bench(fn):
 
 
 def bench_rounds(fns, rounds):
-    """{name: (fwd, fwd+bwd) callables} -> {name: (fwd ms, fwd+bwd ms)}: each a median over `rounds`
-    round-robin passes of do_bench medians. The H200's clock drifts with heat and power over a run
+    """{name: (fwd, fwd+bwd) callables} -> {name: (fwd ms, fwd+bwd ms)}: each the median over `rounds`
+    round-robin passes of do_bench medians (for an even count the slower of the two middle values). The H200's clock drifts with heat and power over a run
     (the same kernel measured 10-15% apart depending on what ran before it), so every implementation
     is timed in every round, interleaved, instead of one after the other."""
     times = {name: ([], []) for name in fns}
@@ -550,7 +550,7 @@ def main():
     ap.add_argument("--workloads", default="", help="comma-separated name prefixes of the attention workloads "
                     "to run, e.g. 1doc,gqa (default: all; names as printed in the table)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per implementation "
-                    "(the median is reported)")
+                    "(the median is reported; with an even count, the slower middle value)")
     ap.add_argument("--out", default="out", help="directory for JSON and PNG")
     args = ap.parse_args()
     if not torch.cuda.is_available():
