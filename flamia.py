@@ -272,12 +272,16 @@ class Plan:
         pad = lambda offs: [0] + torch.cumsum(torch.tensor([-(-(b - a) // PAD_ALIGN) * PAD_ALIGN for a, b in
                                                             zip(offs, offs[1:])]), 0).tolist()
         self.pad_q, self.pad_k = pad(self.offsets_q), pad(self.offsets_k)
-        self.padded_q, self.padded_k = max(self.pad_q[-1], PAD_ALIGN), max(self.pad_k[-1], PAD_ALIGN)
+        self.padded_q = padded_tokens(self.total_q, len(self.offsets_q) - 1)
+        self.padded_k = padded_tokens(self.total_k, len(self.offsets_k) - 1)
         lens = [(b - a, d - c) for a, b, c, d in zip(self.offsets_q, self.offsets_q[1:], self.offsets_k, self.offsets_k[1:])]
         # Rows that see no key at all (bottom-right causal with Lq > Lk, or an empty key document):
         # their tiles are never launched, so their outputs must start as 0 (and their LSE as -inf).
         self.rows_without_keys = {True: any(lq > lk for lq, lk in lens), False: any(lk == 0 < lq for lq, lk in lens)}
         self.keys_without_rows = any(lq == 0 < lk for lq, lk in lens)  # their dK, dV must start as 0
+        # Every document's causal shift Lk - Lq is a multiple of this (0: all shifts are 0, the training
+        # case). The per-tile safeguard needs query tiles that lie inside one key block (_tile_safeguard).
+        self.shift_gcd = math.gcd(*(lk - lq for lq, lk in lens))
         self._tables = {}
 
     @classmethod
@@ -315,6 +319,15 @@ class Plan:
             table = torch.tensor([rows[i] for i in order], dtype=torch.int32).view(-1, 8)
             self._tables[key] = table.to(self.device)
         return self._tables[key]
+
+
+def padded_tokens(total: int, n_docs: int) -> int:
+    """Token length of a token-transposed layout (H, D, T_padded). Each document starts at a multiple of
+    PAD_ALIGN, which takes at most PAD_ALIGN - 1 extra positions per document; the length is this bound,
+    rounded up to PAD_ALIGN (rows of 16-byte aligned loads; the tail past the last document is never
+    read), so that shapes do not depend on the cu_seqlens' values: the custom op's fake implementation
+    must know them without reading cu_seqlens."""
+    return max(-(-(total + (PAD_ALIGN - 1) * n_docs) // PAD_ALIGN) * PAD_ALIGN, PAD_ALIGN)
 
 
 def token_block_start(cu_seqlens: torch.Tensor, total: int, block_tokens: int) -> torch.Tensor:
@@ -371,12 +384,13 @@ def quantize_mxfp8_reference(x: torch.Tensor, cu_seqlens: torch.Tensor, block_to
 
 
 def transpose_tokens_reference(data: torch.Tensor, offsets: list) -> torch.Tensor:
-    """(T, H, D) -> (H, D, T_padded) with every document starting at a multiple of 16 tokens
-    (the layout the Triton quantizer writes; padding positions are left at zero here)."""
+    """(T, H, D) -> (H, D, T_padded) with every document starting at a multiple of 16 tokens: the layout
+    the Triton quantizer writes, up to the end of the last document's padding (padding is zero; the
+    quantizer's copy is padded_tokens() long, its tail after that is never written or read)."""
     T, H, D = data.shape
     lens = [b - a for a, b in zip(offsets, offsets[1:])]
     padded = [-(-n // PAD_ALIGN) * PAD_ALIGN for n in lens]
-    out = torch.zeros(H, D, max(sum(padded), PAD_ALIGN), dtype=data.dtype, device=data.device)
+    out = torch.zeros(H, D, sum(padded), dtype=data.dtype, device=data.device)
     p = 0
     for a, n, pn in zip(offsets, lens, padded):
         out[:, :, p:p + n] = data[a:a + n].permute(1, 2, 0)
@@ -450,7 +464,8 @@ def _quantize_rows(x, amax, offs_t, in_doc, h, Y, E, T, H: tl.constexpr, D: tl.c
 
 @triton.jit
 def _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, doc_pad_end, Y, E, YT, T, T_PAD,
-                    H: tl.constexpr, D: tl.constexpr, WRITE_T: tl.constexpr, PTX_CVT: tl.constexpr):
+                    H: tl.constexpr, D: tl.constexpr, WRITE_T: tl.constexpr, WRITE_ROWS: tl.constexpr,
+                    PTX_CVT: tl.constexpr):
     """Quantizes and stores the four token phases of a tile (rows offs_t + j of x_j, amax a_j)."""
     v0 = _quantize_rows(x0, a0, offs_t, offs_t < end, h, Y, E, T, H, D, WRITE_T)
     v1 = _quantize_rows(x1, a1, offs_t + 1, offs_t + 1 < end, h, Y, E, T, H, D, WRITE_T)
@@ -458,10 +473,11 @@ def _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, doc_pad_
     v3 = _quantize_rows(x3, a3, offs_t + 3, offs_t + 3 < end, h, Y, E, T, H, D, WRITE_T)
     if WRITE_T:  # tokens 4i..4i+3 of channel d, first in the low byte: one little-endian int32 per (i, d),
         w = _e4m3_word(v0, v1, v2, v3, PTX_CVT)  # built in registers, elementwise
-        Y8 = Y.to(tl.pointer_type(tl.uint8), bitcast=True)
-        offs = (offs_t[:, None] * H + h) * D + tl.arange(0, D)[None, :]
-        for j in tl.static_range(4):  # row-major data: byte j of w is token 4i + j
-            tl.store(Y8 + offs + j * H * D, ((w >> (8 * j)) & 0xFF).to(tl.uint8), mask=(offs_t + j < end)[:, None])
+        if WRITE_ROWS:  # row-major data: byte j of w is token 4i + j
+            Y8 = Y.to(tl.pointer_type(tl.uint8), bitcast=True)
+            offs = (offs_t[:, None] * H + h) * D + tl.arange(0, D)[None, :]
+            for j in tl.static_range(4):
+                tl.store(Y8 + offs + j * H * D, ((w >> (8 * j)) & 0xFF).to(tl.uint8), mask=(offs_t + j < end)[:, None])
         # Over the document's whole padded range, zeros past its end: the padding is defined data, so the
         # attention kernels may load it with 16-byte async copies. p0 and doc_pad_end are multiples of 16.
         offs_w = p0 // 4 + tl.arange(0, offs_t.shape[0])
@@ -497,7 +513,7 @@ def _quantize_kernel(
         Y, E, YT, Y_TOK, E_TOK, YT_TOK,  # outputs: data (T, H, D), exp (H, T), data_t (H, D, T_pad); *_TOK per token
         stride_xt, stride_xh, T, T_PAD,  # strides of X (last dim contiguous); token counts
         H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-        WRITE_T: tl.constexpr, WRITE_TOK: tl.constexpr, PTX_CVT: tl.constexpr):
+        WRITE_T: tl.constexpr, WRITE_ROWS: tl.constexpr, WRITE_TOK: tl.constexpr, PTX_CVT: tl.constexpr):
     # The tile is read as four token phases, x_j = rows 4i + j, all in one register layout. The
     # token-transposed copy then packs four tokens of a channel into an int32 with shifts, elementwise,
     # and stores 32-bit words, consecutive across a warp (128 contiguous bytes per store). Storing the
@@ -515,25 +531,30 @@ def _quantize_kernel(
     a0, a1, a2, a3 = _row_amax(x0, bad0), _row_amax(x1, bad1), _row_amax(x2, bad2), _row_amax(x3, bad3)
     if WRITE_TOK:  # the per-token copy the causal safeguard uses on the diagonal
         _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, doc_pad_end, Y_TOK, E_TOK, YT_TOK,
-                        T, T_PAD, H, D, WRITE_T, PTX_CVT)
+                        T, T_PAD, H, D, WRITE_T, WRITE_ROWS, PTX_CVT)
     if BLOCK_TOKENS > 1:  # the tile starts at a block boundary and holds BLOCK_T // B_t whole blocks
         amax = tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3))  # tokens 4i..4i+3
-        amax = tl.max(tl.reshape(amax, (BLOCK_T // BLOCK_TOKENS, BLOCK_TOKENS // 4)), axis=1)
-        a0 = tl.reshape(tl.broadcast_to(amax[:, None], (BLOCK_T // BLOCK_TOKENS, BLOCK_TOKENS // 4)), (Q,))
+        if BLOCK_TOKENS == BLOCK_T:  # one block: a plain reduction (the reshape costs layout conversions)
+            a0 = tl.zeros_like(amax) + tl.max(amax, axis=0)
+        else:
+            amax = tl.max(tl.reshape(amax, (BLOCK_T // BLOCK_TOKENS, BLOCK_TOKENS // 4)), axis=1)
+            a0 = tl.reshape(tl.broadcast_to(amax[:, None], (BLOCK_T // BLOCK_TOKENS, BLOCK_TOKENS // 4)), (Q,))
         a1, a2, a3 = a0, a0, a0
     _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, doc_pad_end, Y, E, YT, T, T_PAD, H, D,
-                    WRITE_T, PTX_CVT)
+                    WRITE_T, WRITE_ROWS, PTX_CVT)
     bad = tl.maximum(tl.maximum(bad0, bad1), tl.maximum(bad2, bad3))
     tl.store(FLAG, 1, mask=tl.max(bad) != 0)  # any non-finite value: the host raises if asked
 
 
 def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str = "q", transposed: bool = False,
-                   per_token_copy: bool = False, nonfinite_flag: torch.Tensor = None):
+                   per_token_copy: bool = False, nonfinite_flag: torch.Tensor = None, rows: bool = True):
     """Fused Triton quantizer: ONE launch reads x (T, H, D) once and writes the block-scaled data, its
     exponents, the token-transposed copy (transposed=True) and a per-token scaled copy
-    (per_token_copy=True, for the causal safeguard). `side` says whose documents x follows in
-    `plan` ("q" or "k"). nonfinite_flag: optional int32 (1,) tensor set to 1 if x holds inf/NaN
-    (no host sync here). Returns an MXFP8, or (block MXFP8, per-token MXFP8) with per_token_copy."""
+    (per_token_copy=True, for the causal safeguard). rows=False (with transposed=True) skips the
+    row-major data, leaving data None: MXFP8's forward reads V only token-transposed. `side` says whose
+    documents x follows in `plan` ("q" or "k"). nonfinite_flag: optional int32 (1,) tensor set to 1 if x
+    holds inf/NaN (no host sync here). Returns an MXFP8, or (block MXFP8, per-token MXFP8) with
+    per_token_copy."""
     _check_thd(x, "x")
     _check_block_tokens(block_tokens)
     T, H, D = x.shape
@@ -542,11 +563,13 @@ def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str
         raise ValueError(f"x has {T} tokens but the plan's cu_seqlens_{side} ends at {total}")
     if x.device != plan.device:
         raise ValueError(f"x is on {x.device} but the plan is on {plan.device}")
+    if not (rows or transposed):
+        raise ValueError("quantize_mxfp8: rows=False needs transposed=True (some data layout must be written)")
     x = x if x.stride(-1) == 1 else x.contiguous()
     t_pad = plan.padded_q if side == "q" else plan.padded_k
 
     def alloc():
-        return MXFP8(torch.empty(T, H, D, dtype=torch.float8_e4m3fn, device=x.device),
+        return MXFP8(torch.empty(T, H, D, dtype=torch.float8_e4m3fn, device=x.device) if rows else None,
                      torch.empty(H, T, dtype=torch.uint8, device=x.device),
                      torch.empty(H, D, t_pad, dtype=torch.float8_e4m3fn, device=x.device) if transposed else None)
     out = alloc()
@@ -554,12 +577,13 @@ def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str
     flag = nonfinite_flag if nonfinite_flag is not None else torch.zeros(1, dtype=torch.int32, device=x.device)
     tiles = plan.tiles(QUANT_TILE, side, causal=False, skip_masked=False)
     if tiles.shape[0] > 0:
-        dt = lambda m: m.data_t if transposed else m.data  # unused pointer when not transposed
+        ptr = lambda *a: next(t for t in a if t is not None)  # a layout not written: any tensor (never touched)
         _quantize_kernel[(tiles.shape[0], H)](
-            x, tiles, flag, out.data, out.exp, dt(out), tok.data, tok.exp, dt(tok),
-            x.stride(0), x.stride(1), T, t_pad, H=H, D=D, BLOCK_T=QUANT_TILE, BLOCK_TOKENS=block_tokens,
-            WRITE_T=transposed, WRITE_TOK=per_token_copy, PTX_CVT=os.environ.get("TRITON_INTERPRET") != "1",
-            num_warps=4)
+            x, tiles, flag, ptr(out.data, out.data_t), out.exp, ptr(out.data_t, out.data), ptr(tok.data, tok.data_t),
+            tok.exp, ptr(tok.data_t, tok.data), x.stride(0), x.stride(1), T, t_pad, H=H, D=D, BLOCK_T=QUANT_TILE,
+            BLOCK_TOKENS=block_tokens, WRITE_T=transposed, WRITE_ROWS=rows, WRITE_TOK=per_token_copy,
+            PTX_CVT=os.environ.get("TRITON_INTERPRET") != "1",
+            num_warps=8)  # 4 spill with the per-token copy; 8 measured 1.1-2x faster (H200; README, "Quantizer")
     return (out, tok) if per_token_copy else out
 
 
@@ -1019,7 +1043,7 @@ def _attn_fwd(
         sm_scale_log2, T_Q, T_K, H, HK,  # softmax scale * log2(e); token and head counts
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED_N: tl.constexpr,
         BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, QUANT: tl.constexpr, K_FP4: tl.constexpr,
-        SAFEGUARD: tl.constexpr, DOT_SCALED: tl.constexpr):
+        SAFEGUARD: tl.constexpr, TILE_SAFEGUARD: tl.constexpr, DOT_SCALED: tl.constexpr):
     tile, h = tl.program_id(0), tl.program_id(1)
     hk = h // (H // HK)  # GQA: consecutive query heads share a K/V head
     row = TILES + tile * 8
@@ -1059,12 +1083,17 @@ def _attn_fwd(
             TILE_SCALE)
     # Masked tiles (the diagonal) are MASKED_N keys wide: narrower tiles there waste fewer masked pairs
     # and keep the mask and safeguard temporaries within the register budget (fewer spills).
+    # TILE_SAFEGUARD: every masked tile lies in the query tile's own key block (see _tile_safeguard), so
+    # all of them read the per-token copies: one MMA per tile, no per-pair selection.
+    if TILE_SAFEGUARD:
+        K, EK, V, EV = KS, EKS, VS, EVS
     ek, ev = _key_scales(EK, EV, hk, T_K, kd_start + n_full, kd_end, MASKED_N, QUANT, K_FP4)
     for start_n in range(n_full, hi - kd_start, MASKED_N):
         acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_step(
             acc, l_i, m_i, ref_i, ek, ev, q, qscale, q_e8, sm_scale_log2, start_n, offs_m, hk,
             K, KSB, EK, V, EV, KS, EKS, VS, EVS, stride_vh, stride_vd, stride_vt, T_K, HK, kd_start, kd_end, v_base,
-            v_end, qd_start, shift, D, MASKED_N, BLOCK_TOKENS, CAUSAL, True, QUANT, K_FP4, SAFEGUARD, DOT_SCALED)
+            v_end, qd_start, shift, D, MASKED_N, BLOCK_TOKENS, CAUSAL, True, QUANT, K_FP4,
+            SAFEGUARD and not TILE_SAFEGUARD, DOT_SCALED)
     if QUANT:
         acc = acc * _exp2_int(ref_i + 119)[:, None]  # back from units of 2^(ref - 8)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -1089,6 +1118,16 @@ def _fwd_config(D: int, recipe: str):
     return 128, 128, 64, 8, 3
 
 
+def _tile_safeguard(plan: Plan, block_tokens: int, *blocks: int) -> bool:
+    """Whether a kernel with these tile sizes can take the causal safeguard per tile instead of per pair.
+    Tiles are aligned to the document start; when B_t is a multiple of every tile size and every causal
+    shift is a multiple of B_t (always in self-attention), each query tile and each key tile lies inside
+    one key block. A tile pair then either shares its block -- every visible pair straddles, and the
+    whole tile uses the per-token copies -- or lies in an earlier block, safe with the block scales.
+    This is what makes B_t=128 cheap: one MMA per masked tile, as at B_t=1."""
+    return block_tokens % max(blocks) == 0 and plan.shift_gcd % block_tokens == 0
+
+
 def _quantize_qkv(q, k, v, plan, recipe, block_tokens, safeguard, flag):
     """Quantize the forward's operands, one quantizer launch per tensor. Returns a dict of the operands the
     kernels read: "q" as (E4M3, E8M0 exponents); "k", "ks" as (data, scale, block scale) — mxfp8: (E4M3,
@@ -1109,11 +1148,15 @@ def _quantize_qkv(q, k, v, plan, recipe, block_tokens, safeguard, flag):
             k8 = quantize_mxfp8(k, plan, block_tokens, "k", nonfinite_flag=flag)
         ops["k"] = (k8.data, k8.exp, none)
         ops.setdefault("ks", ops["k"])
+    # The forward reads V token-transposed only; MXFP8's backward dequantizes that copy (_dequantize), while
+    # the FP4 recipes' backward multiplies the row-major E4M3 V (dP = dO V^T).
+    rows = recipe in FP4_RECIPES
     if safeguard:
         ops["v"], ops["vs"] = quantize_mxfp8(v, plan, block_tokens, "k", transposed=True, per_token_copy=True,
-                                             nonfinite_flag=flag)
+                                             nonfinite_flag=flag, rows=rows)
     else:
-        ops["v"] = ops["vs"] = quantize_mxfp8(v, plan, block_tokens, "k", transposed=True, nonfinite_flag=flag)
+        ops["v"] = ops["vs"] = quantize_mxfp8(v, plan, block_tokens, "k", transposed=True, nonfinite_flag=flag,
+                                              rows=rows)
     return ops
 
 
@@ -1146,7 +1189,9 @@ def _attn_forward(q, k, v, plan: Plan, *, causal, softmax_scale, recipe, block_t
             Qd, EQ, Kd, EK, Vd, EV, KS, EKS, VS, EVS, KSB, o, lse, tiles, *strides_v,
             softmax_scale * 1.4426950408889634, Tq, Tk, H, HK,  # log2(e)
             D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, MASKED_N=MASKED_N, BLOCK_TOKENS=block_tokens, CAUSAL=causal, QUANT=quant,
-            K_FP4=_k_fp4(recipe), SAFEGUARD=safeguard, DOT_SCALED=backend == "dot_scaled",
+            K_FP4=_k_fp4(recipe), SAFEGUARD=safeguard,
+            TILE_SAFEGUARD=safeguard and _tile_safeguard(plan, block_tokens, BLOCK_M, BLOCK_N, MASKED_N),
+            DOT_SCALED=backend == "dot_scaled",
             num_warps=warps, num_stages=stages)
     return o, lse, ops
 
@@ -1183,17 +1228,30 @@ def _delta_kernel(O, DO, DELTA, T, H, D: tl.constexpr, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _dequantize_kernel(X, E, Y, T, H, D: tl.constexpr, BLOCK_T: tl.constexpr, FP16: tl.constexpr):
-    """Y = E4M3 data X times 2^(E - 127) per (token, head), in Y's dtype (exact in bf16)."""
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    h = tl.program_id(1)
-    mask = offs_t < T
-    ptrs = (offs_t[:, None] * H + h) * D + tl.arange(0, D)[None, :]
-    e = tl.load(E + h * T + offs_t, mask=mask, other=127).to(tl.int32)
-    y = tl.load(X + ptrs, mask=mask[:, None], other=0.0).to(tl.float32) * _exp2_int(e)[:, None]
+def _dequantize_kernel(X, E, Y, TILES, T, T_PAD, H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                       TRANSPOSED: tl.constexpr, FP16: tl.constexpr):
+    """Y = E4M3 data times 2^(E - 127) per (token, head), in Y's dtype (exact in bf16), over one Plan tile
+    of tokens. X is the row-major data (T, H, D), or with TRANSPOSED the token-transposed copy
+    (H, D, T_pad), read along tokens and transposed in registers."""
+    tile, h = tl.program_id(0), tl.program_id(1)
+    row = TILES + tile * 8
+    start, end = tl.load(row + TILE_START), tl.load(row + TILE_END)
+    offs = tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, D)
+    mask = start + offs < end
+    if TRANSPOSED:
+        p0 = tl.load(row + OWN_PAD) + (start - tl.load(row + OWN_START))  # the tile's first padded position
+        x = tl.trans(tl.load(X + (h * D + offs_d[:, None]) * T_PAD + p0 + offs[None, :], mask=mask[None, :],
+                             other=0.0).to(tl.float32))
+    else:
+        x = tl.load(X + ((start + offs[:, None]) * H + h) * D + offs_d[None, :], mask=mask[:, None],
+                    other=0.0).to(tl.float32)
+    e = tl.load(E + h * T + start + offs, mask=mask, other=127).to(tl.int32)
+    y = x * _exp2_int(e)[:, None]
     if FP16:  # a value within a rounding step of fp16's max (65504) can dequantize past it: keep it finite
         y = tl.where(y > 65504.0, 65504.0, tl.where(y < -65504.0, -65504.0, y))  # (NaN stays NaN)
-    tl.store(Y + ptrs, y.to(Y.dtype.element_ty), mask=mask[:, None])
+    tl.store(Y + ((start + offs[:, None]) * H + h) * D + offs_d[None, :], y.to(Y.dtype.element_ty),
+             mask=mask[:, None])
 
 
 def _delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
@@ -1204,13 +1262,18 @@ def _delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     return delta
 
 
-def _dequantize(x: MXFP8, dtype: torch.dtype) -> torch.Tensor:
-    """The Triton twin of MXFP8.dequantize(), into bf16 / fp16 for the backward's MMAs."""
-    T, H, D = x.data.shape
-    y = torch.empty(T, H, D, dtype=dtype, device=x.data.device)
-    if T > 0:
-        _dequantize_kernel[(triton.cdiv(T, 64), H)](x.data, x.exp, y, T, H, D=D, BLOCK_T=64,
-                                                     FP16=dtype == torch.float16)
+def _dequantize(x: MXFP8, dtype: torch.dtype, plan: Plan, side: str) -> torch.Tensor:
+    """The Triton twin of MXFP8.dequantize(), into bf16 / fp16 for the backward's MMAs; from the row-major
+    data, or from the token-transposed copy when that is all there is (V). side: as in quantize_mxfp8."""
+    H, T = x.exp.shape
+    D = x.data.shape[2] if x.data is not None else x.data_t.shape[1]
+    y = torch.empty(T, H, D, dtype=dtype, device=x.exp.device)
+    tiles = plan.tiles(QUANT_TILE, side, causal=False, skip_masked=False)
+    if tiles.shape[0] > 0:
+        transposed = x.data is None
+        _dequantize_kernel[(tiles.shape[0], H)](
+            x.data_t if transposed else x.data, x.exp, y, tiles, T, x.data_t.shape[-1] if transposed else T, H=H,
+            D=D, BLOCK_T=QUANT_TILE, TRANSPOSED=transposed, FP16=dtype == torch.float16, num_warps=8)
     return y
 
 
@@ -1283,7 +1346,8 @@ def _attn_bwd_dkdv(
         DO16, LSE, DELTA, DK, DV, TILES,  # dO as given; (H, Tq) LSE, rowsum(dO * O); outputs (Tk, Hk, D); key tiles
         sm_scale, T_Q, T_K, H, HK,
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-        CAUSAL: tl.constexpr, QUANT: tl.constexpr, K_FP4: tl.constexpr, SAFEGUARD: tl.constexpr):
+        CAUSAL: tl.constexpr, QUANT: tl.constexpr, K_FP4: tl.constexpr, SAFEGUARD: tl.constexpr,
+        TILE_SAFEGUARD: tl.constexpr):
     tile, hk = tl.program_id(0), tl.program_id(1)
     row = TILES + tile * 8
     k_start, k_end = tl.load(row + TILE_START), tl.load(row + TILE_END)
@@ -1307,8 +1371,8 @@ def _attn_bwd_dkdv(
         vscale_s = _token_scale(EVS, offs_n, hk, T_K, kmask, BLOCK_N, QUANT, False)
     sm_scale_log2 = sm_scale * 1.4426950408889634
     # Query tiles of the document that see this key tile: masked ones first (the diagonal, and the
-    # safeguard's straddling blocks), then those every row of which sees every key, then the
-    # document's partial last tile (bounds mask).
+    # safeguard's straddling blocks; the document's last tile too if it is one of them), then those
+    # every row of which sees every key, then the document's partial last tile (bounds mask).
     qd_len = qd_end - qd_start
     q_full = qd_start + qd_len // BLOCK_M * BLOCK_M
     if CAUSAL:
@@ -1317,12 +1381,17 @@ def _attn_bwd_dkdv(
         thr = k_end - kd_start - 1  # a row at or past this position sees every key of the tile...
         if SAFEGUARD:  # ...and past the straddling block when the safeguard is on
             thr = (k_end - kd_start + BLOCK_TOKENS - 1) // BLOCK_TOKENS * BLOCK_TOKENS
-        q_mid = tl.minimum(qd_start + (tl.maximum(thr - shift, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, q_full)
+        q_mid = tl.minimum(qd_start + (tl.maximum(thr - shift, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, qd_end)
         q_mid = tl.maximum(q_mid, q_lo)
     else:
         q_lo = qd_start
         q_mid = qd_start
-    q_mid = tl.minimum(q_mid, q_full)
+    # TILE_SAFEGUARD (see _tile_safeguard): the masked query tiles [q_lo, q_mid) all lie in this key
+    # tile's block and see it through the per-token copies only; every later tile through K, V.
+    if TILE_SAFEGUARD:
+        k_diag, v_diag, kscale_diag, vscale_diag = ks, vs, kscale_s, vscale_s
+    else:
+        k_diag, v_diag, kscale_diag, vscale_diag = k, v, kscale, vscale
     dk = tl.zeros((BLOCK_N, D), tl.float32)
     dv = tl.zeros((BLOCK_N, D), tl.float32)
     for hq in range(hk * (H // HK), (hk + 1) * (H // HK)):  # GQA: sum over the query heads of this K/V head
@@ -1330,22 +1399,19 @@ def _attn_bwd_dkdv(
         qs, dos, lse2, delta = _query_rows(EQ, EDO, LSE, DELTA, hq, T_Q, offs_m, offs_m < qd_end, BLOCK_M, QUANT)
         for start_m in range(q_lo, q_mid, BLOCK_M):  # the three loops walk one contiguous tile sequence
             dk, dv, qs, dos, lse2, delta = _attn_bwd_dkdv_step(
-                dk, dv, qs, dos, lse2, delta, k, v, ks, vs, kscale, vscale, kscale_s, vscale_s, start_m, offs_n, hq,
-                Q, EQ, DO, DO16, EDO, LSE, DELTA, sm_scale_log2, T_Q, H, qd_start, kd_start, qd_end, shift, D,
-                BLOCK_M,
-                BLOCK_TOKENS, CAUSAL, True, QUANT, K_FP4, SAFEGUARD)
+                dk, dv, qs, dos, lse2, delta, k_diag, v_diag, ks, vs, kscale_diag, vscale_diag, kscale_s, vscale_s,
+                start_m, offs_n, hq, Q, EQ, DO, DO16, EDO, LSE, DELTA, sm_scale_log2, T_Q, H, qd_start, kd_start,
+                qd_end, shift, D, BLOCK_M, BLOCK_TOKENS, CAUSAL, True, QUANT, K_FP4, SAFEGUARD and not TILE_SAFEGUARD)
         for start_m in range(q_mid, q_full, BLOCK_M):
             dk, dv, qs, dos, lse2, delta = _attn_bwd_dkdv_step(
                 dk, dv, qs, dos, lse2, delta, k, v, ks, vs, kscale, vscale, kscale_s, vscale_s, start_m, offs_n, hq,
                 Q, EQ, DO, DO16, EDO, LSE, DELTA, sm_scale_log2, T_Q, H, qd_start, kd_start, qd_end, shift, D,
-                BLOCK_M,
-                BLOCK_TOKENS, CAUSAL, False, QUANT, K_FP4, False)
+                BLOCK_M, BLOCK_TOKENS, CAUSAL, False, QUANT, K_FP4, False)
         for start_m in range(tl.maximum(q_full, q_mid), qd_end, BLOCK_M):
             dk, dv, qs, dos, lse2, delta = _attn_bwd_dkdv_step(
                 dk, dv, qs, dos, lse2, delta, k, v, ks, vs, kscale, vscale, kscale_s, vscale_s, start_m, offs_n, hq,
                 Q, EQ, DO, DO16, EDO, LSE, DELTA, sm_scale_log2, T_Q, H, qd_start, kd_start, qd_end, shift, D,
-                BLOCK_M,
-                BLOCK_TOKENS, CAUSAL, True, QUANT, K_FP4, SAFEGUARD)
+                BLOCK_M, BLOCK_TOKENS, CAUSAL, True, QUANT, K_FP4, False)
     tl.store(DK + ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=kmask[:, None])
     tl.store(DV + ptrs, dv.to(DV.dtype.element_ty), mask=kmask[:, None])
 
@@ -1407,7 +1473,8 @@ def _attn_bwd_dq(
         LSE, DELTA, DQ, TILES,  # output (Tq, H, D); the Plan's query tiles
         sm_scale, T_Q, T_K, H, HK,
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-        CAUSAL: tl.constexpr, QUANT: tl.constexpr, K_FP4: tl.constexpr, SAFEGUARD: tl.constexpr):
+        CAUSAL: tl.constexpr, QUANT: tl.constexpr, K_FP4: tl.constexpr, SAFEGUARD: tl.constexpr,
+        TILE_SAFEGUARD: tl.constexpr):
     tile, h = tl.program_id(0), tl.program_id(1)
     hk = h // (H // HK)
     row = TILES + tile * 8
@@ -1433,20 +1500,22 @@ def _attn_bwd_dq(
         dq, ek, ev = _attn_bwd_dq_step(dq, ek, ev, q, do, qscale_log2, doscale, lse2, delta, start_n, offs_m, hk,
                                        K, KSB, EK, V, EV, KS, EKS, VS, EVS, T_K, HK, kd_start, kd_end, qd_start,
                                        shift, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False, QUANT, K_FP4, False)
+    if TILE_SAFEGUARD:  # the masked key tiles all lie in this query tile's block: per-token copies only
+        K, EK, V, EV = KS, EKS, VS, EVS
+        ek, ev = _key_scales(EK, EV, hk, T_K, kd_start + n_full, kd_end, BLOCK_N, QUANT, K_FP4)
     for start_n in range(n_full, hi - kd_start, BLOCK_N):
         dq, ek, ev = _attn_bwd_dq_step(dq, ek, ev, q, do, qscale_log2, doscale, lse2, delta, start_n, offs_m, hk,
                                        K, KSB, EK, V, EV, KS, EKS, VS, EVS, T_K, HK, kd_start, kd_end, qd_start,
-                                       shift, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, True, QUANT, K_FP4, SAFEGUARD)
+                                       shift, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, True, QUANT, K_FP4,
+                                       SAFEGUARD and not TILE_SAFEGUARD)
     tl.store(DQ + ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=qmask[:, None])
 
 
-def _bwd_config(D: int, safeguard: bool):
+def _bwd_config(D: int):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel (query x key tiles) and of the dQ kernel,
     from `bench.py --tune` on the H200 (D=128): 3 stages beat 2 by 8-16%; bigger query tiles in dK/dV
-    spill registers (cuobjdump -res-usage) and are within 5%. With the safeguard the dQ loop also streams
-    the per-token K, V copies: at D=128 three stages of four bf16 key tiles need 256 KiB of shared memory
-    (the H200 has 227), so it takes two stages (192 KiB)."""
-    return (32, 128, 8, 3), (128, 64, 8, 2 if safeguard and D > 64 else 3)
+    spill registers (cuobjdump -res-usage) and are within 5%."""
+    return (32, 128, 8, 3), (128, 64, 8, 3)
 
 
 def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, *, causal, softmax_scale, recipe, block_tokens, safeguard):
@@ -1458,10 +1527,10 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, *, causal, softmax_scal
     do = do.contiguous()
     delta = _delta(o, do)  # (H, Tq): rowsum(P * dP) = dO . O
     if recipe == "mxfp8":  # bf16 kernels on the exactly dequantized operands (see the section comment)
-        q, k, v = _dequantize(MXFP8(*ops["q"][:2]), q.dtype), _dequantize(MXFP8(*ops["k"][:2]), q.dtype), \
-            _dequantize(ops["v"], q.dtype)
-        ks = _dequantize(MXFP8(*ops["ks"][:2]), q.dtype) if safeguard else k
-        vs = _dequantize(ops["vs"], q.dtype) if safeguard else v
+        deq = lambda x, side: _dequantize(x, q.dtype, plan, side)
+        q, k, v = deq(MXFP8(*ops["q"][:2]), "q"), deq(MXFP8(*ops["k"][:2]), "k"), deq(ops["v"], "k")
+        ks = deq(MXFP8(*ops["ks"][:2]), "k") if safeguard else k
+        vs = deq(ops["vs"], "k") if safeguard else v
         quant = False
         operands = (q, delta, k, delta, v, delta, ks, delta, vs, delta, do, delta, delta)  # scales unused
     elif quant:
@@ -1475,17 +1544,23 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, *, causal, softmax_scal
     init = torch.zeros if plan.keys_without_rows else torch.empty
     dk, dv = init(Tk, HK, D, dtype=q.dtype, device=q.device), init(Tk, HK, D, dtype=q.dtype, device=q.device)
     dq = (torch.zeros if plan.rows_without_keys[causal] else torch.empty)(Tq, H, D, dtype=q.dtype, device=q.device)
-    (BM1, BN1, w1, s1), (BM2, BN2, w2, s2) = _bwd_config(D, safeguard)
+    (BM1, BN1, w1, s1), (BM2, BN2, w2, s2) = _bwd_config(D)
+    tile_dkdv = safeguard and _tile_safeguard(plan, block_tokens, BM1, BN1)
+    tile_dq = safeguard and _tile_safeguard(plan, block_tokens, BM2, BN2)
+    if safeguard and not tile_dq and D > 64:  # the per-pair safeguard's dQ loop streams K, V and their
+        s2 = 2  # per-token copies: three stages of four bf16 key tiles need 256 KiB of shared memory (H200: 227)
     meta = dict(D=D, BLOCK_TOKENS=block_tokens, CAUSAL=causal, QUANT=quant, K_FP4=_k_fp4(recipe),
                 SAFEGUARD=safeguard)
     tiles = plan.tiles(BN1, "k", causal)
     if tiles.shape[0] > 0:
         _attn_bwd_dkdv[(tiles.shape[0], HK)](*operands, do, lse, delta, dk, dv, tiles, softmax_scale, Tq, Tk, H, HK,
-                                             BLOCK_M=BM1, BLOCK_N=BN1, num_warps=w1, num_stages=s1, **meta)
+                                             BLOCK_M=BM1, BLOCK_N=BN1, num_warps=w1, num_stages=s1,
+                                             TILE_SAFEGUARD=tile_dkdv, **meta)
     tiles = plan.tiles(BM2, "q", causal)
     if tiles.shape[0] > 0:
         _attn_bwd_dq[(tiles.shape[0], H)](*operands, lse, delta, dq, tiles, softmax_scale, Tq, Tk, H, HK,
-                                          BLOCK_M=BM2, BLOCK_N=BN2, num_warps=w2, num_stages=s2, **meta)
+                                          BLOCK_M=BM2, BLOCK_N=BN2, num_warps=w2, num_stages=s2,
+                                          TILE_SAFEGUARD=tile_dq, **meta)
     return dq, dk, dv
 
 
@@ -1536,17 +1611,20 @@ _SAVED = 11  # quantized operands the forward hands to the backward: q (2), k (3
 
 def _pack_saved(ops):
     """The forward's operands as a flat list of distinct tensors (custom-op outputs may not alias):
-    a per-token copy that is K or V itself travels as an empty tensor."""
+    a per-token copy that is K or V itself travels as an empty tensor. V travels as the data the
+    backward reads: row-major for the FP4 recipes, token-transposed for mxfp8 (see _quantize_qkv)."""
     ks = ops["ks"][:2] if ops["ks"] is not ops["k"] else (None, None)
-    vs = (ops["vs"].data, ops["vs"].exp) if ops["vs"] is not ops["v"] else (None, None)
-    flat = [*ops["q"], *ops["k"], *ks, ops["v"].data, ops["v"].exp, *vs]
+    v_data = lambda m: m.data if m.data is not None else m.data_t
+    vs = (v_data(ops["vs"]), ops["vs"].exp) if ops["vs"] is not ops["v"] else (None, None)
+    flat = [*ops["q"], *ops["k"], *ks, v_data(ops["v"]), ops["v"].exp, *vs]
     return [t if t is not None and t.numel() else torch.empty(0, device=ops["flag"].device) for t in flat]
 
 
-def _unpack_saved(saved):
-    ops = {"q": tuple(saved[0:2]), "k": tuple(saved[2:5]), "v": MXFP8(saved[7], saved[8])}
+def _unpack_saved(saved, recipe):
+    v = lambda data, exp: MXFP8(data, exp) if recipe in FP4_RECIPES else MXFP8(None, exp, data)
+    ops = {"q": tuple(saved[0:2]), "k": tuple(saved[2:5]), "v": v(saved[7], saved[8])}
     ops["ks"] = (saved[5], saved[6], saved[4]) if saved[5].numel() else ops["k"]
-    ops["vs"] = MXFP8(saved[9], saved[10]) if saved[9].numel() else ops["v"]
+    ops["vs"] = v(saved[9], saved[10]) if saved[9].numel() else ops["v"]
     return ops
 
 
@@ -1586,6 +1664,9 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale, recipe,
         saved = mx(Tq, H) + fp4(Tk, HK) + [e(), e()]
     else:
         saved = mx(Tq, H) + mx(Tk, HK) + [e()] + (mx(Tk, HK) if tok else [e(), e()])
+    if recipe not in FP4_RECIPES:  # mxfp8 keeps V token-transposed only (see _pack_saved)
+        t_pad = padded_tokens(Tk, cu_seqlens_k.shape[0] - 1)
+        mx = lambda T, h: [q.new_empty(h, D, t_pad, dtype=f8), q.new_empty(h, T, dtype=u8)]
     saved += mx(Tk, HK) + (mx(Tk, HK) if tok else [e(), e()])
     return [torch.empty_like(q), q.new_empty(H, Tq, dtype=torch.float32)] + saved
 
@@ -1596,7 +1677,7 @@ def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             dense: list[int], causal: bool, softmax_scale: float, recipe: str, block_tokens: int,
             safeguard: bool) -> list[torch.Tensor]:
     plan = _plan_for(cu_seqlens_q, cu_seqlens_k, dense, q.shape[0], k.shape[0])
-    ops = _unpack_saved(saved)
+    ops = _unpack_saved(saved, recipe)
     return list(_attn_backward(do, q, k, v, o, lse, ops, plan, causal=causal, softmax_scale=softmax_scale,
                                recipe=recipe, block_tokens=block_tokens, safeguard=safeguard))
 

@@ -478,10 +478,20 @@ def test_triton_quantizer_bit_identical(dtype, D, bt):
         assert_bitwise(blk.data, ref.data, f"{where}: block data")
         assert_bitwise(tok.exp, ref1.exp, f"{where}: per-token exponents")
         assert_bitwise(tok.data, ref1.data, f"{where}: per-token data")
+        n_pad = flamia.padded_tokens(offs[-1], len(lens))  # a static bound; the tail past the padding is unused
         for got, r, what in ((blk.data_t, ref.data, "block"), (tok.data_t, ref1.data, "per-token")):
             want = flamia.transpose_tokens_reference(r, offs)
-            assert got.shape == want.shape, f"{where}: {what} transposed copy has shape {got.shape}, want {want.shape}"
-            assert_bitwise(got, want, f"{where}: {what} transposed copy")
+            assert got.shape == (H, D, n_pad), f"{where}: {what} transposed copy has shape {got.shape}"
+            assert_bitwise(got[..., :want.shape[-1]], want, f"{where}: {what} transposed copy")
+        # rows=False (MXFP8's V): the same token-transposed bytes, no row-major data; the backward's
+        # dequantization from either layout == the reference's, bitwise
+        only_t = flamia.quantize_mxfp8(x, plan, bt, side, transposed=True, nonfinite_flag=flag, rows=False)
+        assert only_t.data is None
+        used = want.shape[-1]
+        assert_bitwise(only_t.data_t[..., :used], blk.data_t[..., :used], f"{where}: transposed copy with rows=False")
+        for m, what in ((only_t, "token-transposed"), (blk, "row-major")):
+            got = flamia._dequantize(m, dtype, plan, side)
+            assert_bitwise(got, ref.dequantize().to(dtype), f"{where}: dequantized from the {what} data")
         assert int(flag) == 0, "finite input set the non-finite flag"
 
 
@@ -956,20 +966,23 @@ def test_forward_tile_scale_path():
     _check_forward(o, lse, ro, rlse, f64, "mxfp8", "bt=128 tile-scale path")
 
 
-def test_forward_cross_attention_bottom_right():
-    """seqlen_q != seqlen_k per document, causal, bottom-right aligned (as flash-attn), mxfp8 with
-    32-token blocks and the safeguard, custom softmax_scale: matches the oracle (same tolerances).
-    Query rows that see no key (Lq > Lk, or an empty key document) give O = 0 and LSE = -inf exactly."""
-    lens_q, lens_k = (200, 10, 40, 0, 33), (50, 250, 0, 7, 64)
+@pytest.mark.parametrize("bt,lens_k,no_keys", [(32, (50, 250, 0, 7, 64), 150 + 40), (128, (72, 138, 168, 128, 33), 128)],
+                         ids=["bt32", "bt128-shifts128"])
+def test_forward_cross_attention_bottom_right(bt, lens_k, no_keys):
+    """seqlen_q != seqlen_k per document, causal, bottom-right aligned (as flash-attn), mxfp8 with the
+    safeguard, custom softmax_scale: matches the oracle (same tolerances). Query rows that see no key
+    (Lq > Lk, or an empty key document) give O = 0 and LSE = -inf exactly. bt32: shifts of every size
+    (the per-pair safeguard); bt128: shifts of +-128 and 0, where the forward takes the safeguard per tile."""
+    lens_q = (200, 10, 40, 0, 33)
     q, k, v = qkv(11, sum(lens_q), Tk=sum(lens_k))
-    kw = dict(causal=True, recipe="mxfp8", block_tokens=32, return_lse=True, softmax_scale=0.1)
+    kw = dict(causal=True, recipe="mxfp8", block_tokens=bt, return_lse=True, softmax_scale=0.1)
     o, lse = api(q, k, v, lens_q, lens_k, **kw)
     ro, rlse = flamia.reference_attention(q, k, v, cu_of(lens_q), cu_of(lens_k), **kw)
     f64 = flamia.attention_fp64(q, k, v, cu_of(lens_q), cu_of(lens_k), softmax_scale=0.1)
     empty = ~rlse.isfinite()  # (H, Tq)
-    assert empty.sum() == 4 * (150 + 40), "the layout should have 150 + 40 rows without keys per head"
+    assert empty.sum() == 4 * no_keys, f"the layout should have {no_keys} rows without keys per head"
     assert (lse[empty] == float("-inf")).all() and (o.transpose(0, 1)[empty] == 0).all()
-    _check_forward(o, lse, ro, rlse, f64, "mxfp8", "cross attention")
+    _check_forward(o, lse, ro, rlse, f64, "mxfp8", f"cross attention bt={bt}")
 
 
 def test_forward_safeguard_numerics():
@@ -1052,6 +1065,8 @@ GRAD_CASES = [  # recipe, block_tokens, causal, (H, HK), dtype, layout, head_dim
     ("bf16", 1, True, (4, 2), BF16, "self", 64),
     ("mxfp8", 1, True, (4, 2), BF16, "self", 64),
     ("mxfp8", 32, True, (4, 2), BF16, "self", 128),  # D=128 + safeguard: the dQ kernel's largest shared memory
+    ("mxfp8", 128, True, (4, 2), BF16, "self", 128),  # the per-tile safeguard (_tile_safeguard)
+    ("mxfp8", 128, True, (2, 2), BF16, "cross", 64),  # shifts not multiples of 128: per pair again
     ("mxfp8", 32, False, (2, 2), BF16, "self", 64),
     ("mxfp8", 32, True, (2, 1), FP16, "self", 64),
     ("mxfp8", 32, True, (2, 2), BF16, "cross", 64),
@@ -1092,11 +1107,13 @@ def test_backward_matches_oracle(recipe, bt, causal, heads, dtype, layout, D):
             assert err_k <= GRAD_TOL[recipe], f"d{name}: kernel vs fp64 {err_k:.4f}"
 
 
-def test_backward_safeguard_numerics():
+@pytest.mark.parametrize("bt", [32, 128])
+def test_backward_safeguard_numerics(bt):
     """The layout of test_forward_safeguard_numerics, gradients: the early rows' logits come only from the
     tiny keys that the block scale would flush, so dQ of those rows exists only through the per-token K
     copy, and dV of the tiny values only through the per-token V copy. Kernel vs the safe oracle within
-    GRAD_TOL; the unsafe oracle's dQ on those rows is far off (proof that the layout has teeth)."""
+    GRAD_TOL; the unsafe oracle's dQ on those rows is far off (proof that the layout has teeth). bt=32:
+    the safeguard per pair; bt=128: per tile (_tile_safeguard)."""
     lens = (33, 40, 31, 64)
     offs = offsets_of(lens)
     q, k, v = qkv(44, offs[-1], H=2, HK=2)
@@ -1107,7 +1124,7 @@ def test_backward_safeguard_numerics():
         q[a:a + 16] *= 2.0 ** 16
         early[a:a + 16] = True
     do = randn(torch.Generator().manual_seed(45), offs[-1], 2, 64)
-    kw = dict(causal=True, recipe="mxfp8", block_tokens=32)
+    kw = dict(causal=True, recipe="mxfp8", block_tokens=bt)
     x = [t.clone().requires_grad_() for t in (q, k, v)]
     api(*x, lens, **kw).backward(do)
     for safe in (True, False):
