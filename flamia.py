@@ -22,7 +22,8 @@ sees the future through j's rounding. FLAMIA therefore (a) scales Q per token, (
 (and the FP4 recipes' dO) per block of `block_tokens` consecutive tokens of ONE document and ONE
 head (blocks restart at every document start, so nothing crosses documents), and (c) applies a *targeted
 safeguard*: for the (query, key) pairs whose key block straddles the query position — only on
-the diagonal — the kernel uses a per-token quantized copy of K and V instead. Everything that
+the diagonal — the kernel uses a per-token quantized copy of K and V instead (per pair, or per tile
+when block_tokens is a multiple of every tile size: _tile_safeguard). Everything that
 is a statistic over the sequence (the online-softmax max, the P scale) is taken per query row
 over that row's visible keys only.
 
@@ -33,10 +34,11 @@ Limitations
     NaN), so outputs that depend on it are NaN, never finite garbage (with the caveat that a NaN key
     also reaches the earlier rows of its own key tile through 0 * NaN in the P V MMA); the public
     functions raise a ValueError when `check_finite=True` (default; costs one host sync per call).
-  * Speed (H200): MXFP8 fwd+bwd beats the same kernels in BF16 on long documents (one 16k document: 418
-    vs 401 TFLOP/s) and loses on short ones, and cuDNN's BF16 is faster than both (README). The backward
-    runs bf16 MMAs on the dequantized fp8 operands (measured faster, section 5b). block_tokens=128 gives
-    the fastest forward on long documents (scalar tile scales) but a slower backward (README).
+  * Speed (H200): MXFP8 fwd+bwd beats the same kernels in BF16 on long documents (one 16k document: 419
+    vs 404 TFLOP/s) and loses on short ones, and cuDNN's BF16 is faster than both (README). The backward
+    runs bf16 MMAs on the dequantized fp8 operands (measured faster, section 5b). block_tokens=128 is the
+    fastest setting on long documents (scalar tile scales, the safeguard per tile: forward level with
+    cuDNN's), the default block_tokens=1 on packed short ones (README, "Choosing block_tokens").
   * FP4 recipes put K (of S = Q K^T) in FP4 and keep Q, V, dO in MXFP8: the split that trained best on
     the H200 (README, "The FP4 split"). recipe="nvfp4" is an exact emulation of FP4 (bf16 MMAs): Triton's
     tl.dot_scaled takes no E4M3 block scales. recipe="mxfp4" (E8M0 block scales) is the FP4 recipe for
@@ -323,11 +325,12 @@ class Plan:
 
 def padded_tokens(total: int, n_docs: int) -> int:
     """Token length of a token-transposed layout (H, D, T_padded). Each document starts at a multiple of
-    PAD_ALIGN, which takes at most PAD_ALIGN - 1 extra positions per document; the length is this bound,
-    rounded up to PAD_ALIGN (rows of 16-byte aligned loads; the tail past the last document is never
-    read), so that shapes do not depend on the cu_seqlens' values: the custom op's fake implementation
-    must know them without reading cu_seqlens."""
-    return max(-(-(total + (PAD_ALIGN - 1) * n_docs) // PAD_ALIGN) * PAD_ALIGN, PAD_ALIGN)
+    PAD_ALIGN, which takes at most PAD_ALIGN - 1 extra positions per document; the length is this bound
+    (the tail past the last document is never read), so that shapes do not depend on the cu_seqlens'
+    values: the custom op's fake implementation must know them without reading cu_seqlens. Rounded up
+    to 128 tokens (128 bytes of E4M3) so that every channel row starts on a 128-byte cache line: with
+    the bound alone (16,400 for one 16k document) a 128-key V tile's rows straddle lines."""
+    return max(-(-(total + (PAD_ALIGN - 1) * n_docs) // 128) * 128, 128)
 
 
 def token_block_start(cu_seqlens: torch.Tensor, total: int, block_tokens: int) -> torch.Tensor:
@@ -823,6 +826,8 @@ def attention_fp64(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True, sof
 # the position of i, the block scale of k_j, v_j depends on keys after i, so those pairs use the
 # per-token quantized copies KS, VS (a second small MMA on the diagonal tiles). Blocks of earlier
 # keys end before i's block starts and are safe. Q is scaled per token, so nothing leaks along rows.
+# When B_t is a multiple of every tile size (B_t=128) the choice is the same for a whole tile, and the
+# masked tiles read KS, VS instead of K, V: one MMA (TILE_SAFEGUARD, see _tile_safeguard).
 @triton.jit
 def _load_k(PTR, SB, offs_t, h, HEADS, mask, ROWS: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr):
     """A K tile for the MMAs: the tile as stored (bf16 or E4M3), or for FP4 the E2M1 values times
