@@ -1715,6 +1715,7 @@ def test_torchrun_two_ranks_gloo(tmp_path):
     (["--tokens_per_batch", "0"], "at least 2 tokens"),
     (["--attn", "fp4"], "choose one of"),
     (["--unsafe_leaky_attention", "--attn", "bf16"], "needs --attn mxfp8"),
+    (["--block_tokens", "16"], "--block_tokens 16: choose one of"),
     (["--resume", "--out_dir", "EMPTY_DIR"], "no checkpoint"),
     (["--max_steps", "many"], "invalid int value"),
     (["--data", "BIN_DIR"], "pass --vocab_size"),

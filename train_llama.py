@@ -68,6 +68,7 @@ class Config:
     attn: str = "mxfp8"  # bf16 | mxfp8 | nvfp4 | mxfp4 (FLAMIA recipes) | sdpa (independent PyTorch reference)
     unsafe_leaky_attention: bool = False  # mxfp8 WITHOUT the causal safeguard: leaks the future (demo)
     rotate_qk: bool = False  # Hadamard-rotate Q and K before quantizing (flamia rotate_qk; same logits)
+    block_tokens: int = flamia.DEFAULT_BLOCK_TOKENS  # K/V scale block: 1 (per token) ... 128 (faster on long docs)
     tokens_per_batch: int = 32768  # token budget per rank and step; global batch = this x world size
     max_doc_len: int = 2048  # context window: longer documents are cut into pieces this long
     lr: float = 2e-3  # peak learning rate
@@ -134,6 +135,8 @@ def validate(cfg: Config):
         die(f"--attn {cfg.attn!r}: choose one of {', '.join(attns)}")
     if cfg.unsafe_leaky_attention and cfg.attn != "mxfp8":
         die("--unsafe_leaky_attention needs --attn mxfp8 (it switches mxfp8's causal safeguard off)")
+    if cfg.block_tokens not in flamia.BLOCK_TOKENS:
+        die(f"--block_tokens {cfg.block_tokens}: choose one of {', '.join(map(str, flamia.BLOCK_TOKENS))}")
     if min(cfg.tokens_per_batch, cfg.max_doc_len) < 2:
         die(f"--tokens_per_batch {cfg.tokens_per_batch} / --max_doc_len {cfg.max_doc_len}: "
             "need at least 2 tokens (one input and its next-token target)")
@@ -311,13 +314,14 @@ def attend(q, k, v, b: Batch, cfg: Config):
         return torch.cat([F.scaled_dot_product_attention(*(x.transpose(0, 1) for x in d), is_causal=True)
                           .transpose(0, 1) for d in docs])
     # FLAMIA takes bf16/fp16: on the CPU the model computes in fp32, so cast here. K/V scales are per
-    # token (block_tokens=1) unless the leak demo asks for 32-token blocks without the safeguard.
+    # --block_tokens (1: per token; 128 is faster on long documents, README "Choosing block_tokens"),
+    # except in the leak demo: 32-token blocks without the safeguard.
     # check_finite=False: that check is a host sync per layer; a diverged run shows in the loss.
     leaky = cfg.unsafe_leaky_attention
     return flamia.flamia_attn_varlen_func(
         q.bfloat16(), k.bfloat16(), v.bfloat16(), b.cu, b.cu, b.max_len, b.max_len, causal=True,
         recipe=cfg.attn, plan=b.plan, check_finite=False, safeguard=not leaky, rotate_qk=cfg.rotate_qk,
-        block_tokens=32 if leaky else flamia.DEFAULT_BLOCK_TOKENS)
+        block_tokens=32 if leaky else cfg.block_tokens)
 
 
 class Block(nn.Module):
