@@ -537,11 +537,8 @@ def _quantize_kernel(
                         T, T_PAD, H, D, WRITE_T, WRITE_ROWS, PTX_CVT)
     if BLOCK_TOKENS > 1:  # the tile starts at a block boundary and holds BLOCK_T // B_t whole blocks
         amax = tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3))  # tokens 4i..4i+3
-        if BLOCK_TOKENS == BLOCK_T:  # one block: a plain reduction (the reshape costs layout conversions)
-            a0 = tl.zeros_like(amax) + tl.max(amax, axis=0)
-        else:
-            amax = tl.max(tl.reshape(amax, (BLOCK_T // BLOCK_TOKENS, BLOCK_TOKENS // 4)), axis=1)
-            a0 = tl.reshape(tl.broadcast_to(amax[:, None], (BLOCK_T // BLOCK_TOKENS, BLOCK_TOKENS // 4)), (Q,))
+        amax = tl.max(tl.reshape(amax, (BLOCK_T // BLOCK_TOKENS, BLOCK_TOKENS // 4)), axis=1)
+        a0 = tl.reshape(tl.broadcast_to(amax[:, None], (BLOCK_T // BLOCK_TOKENS, BLOCK_TOKENS // 4)), (Q,))
         a1, a2, a3 = a0, a0, a0
     _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, doc_pad_end, Y, E, YT, T, T_PAD, H, D,
                     WRITE_T, WRITE_ROWS, PTX_CVT)
