@@ -1666,10 +1666,11 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale, recipe,
         saved = mx(Tq, H) + fp4(Tk, HK) + [e(), e()]
     else:
         saved = mx(Tq, H) + mx(Tk, HK) + [e()] + (mx(Tk, HK) if tok else [e(), e()])
-    if recipe not in FP4_RECIPES:  # mxfp8 keeps V token-transposed only (see _pack_saved)
+    v_mx = mx  # V as the backward reads it: row-major for FP4, token-transposed for mxfp8 (see _pack_saved)
+    if recipe not in FP4_RECIPES:
         t_pad = padded_tokens(Tk, cu_seqlens_k.shape[0] - 1)
-        mx = lambda T, h: [q.new_empty(h, D, t_pad, dtype=f8), q.new_empty(h, T, dtype=u8)]
-    saved += mx(Tk, HK) + (mx(Tk, HK) if tok else [e(), e()])
+        v_mx = lambda T, h: [q.new_empty(h, D, t_pad, dtype=f8), q.new_empty(h, T, dtype=u8)]
+    saved += v_mx(Tk, HK) + (v_mx(Tk, HK) if tok else [e(), e()])
     return [torch.empty_like(q), q.new_empty(H, Tq, dtype=torch.float32)] + saved
 
 
