@@ -1673,6 +1673,22 @@ def test_train_smoke_checkpoint_resume_and_leak_probe(tmp_path, cpu_training):
     assert (tmp_path / "compare.png").stat().st_size > 0
 
 
+def test_killed_run_keeps_its_log(tmp_path, cpu_training, monkeypatch):
+    """log.csv is rewritten at every validation, so a run killed mid-way keeps its curve so far."""
+    lr_at = tlm.lr_at
+
+    def killed_at_step_12(cfg, step):
+        if step == 12:
+            raise KeyboardInterrupt
+        return lr_at(cfg, step)
+    monkeypatch.setattr(tlm, "lr_at", killed_at_step_12)
+    with pytest.raises(KeyboardInterrupt):
+        tlm.main(TINY + ["--max_steps", "16", "--eval_interval", "8", "--ckpt_interval", "100", "--out_dir", str(tmp_path)])
+    rows = (tmp_path / "log.csv").read_text().splitlines()
+    assert rows[0].startswith("step,") and [r.split(",")[0] for r in rows[1:]] == [str(i) for i in range(1, 9)]
+    assert float(rows[-1].split(",")[2]) > 0  # step 8's validation loss
+
+
 def test_leak_probe_sees_the_unsafe_setting(cpu_training):
     """With 32-token K/V scale blocks and no safeguard, a key's rounding depends on later keys of its
     block. Power-of-two scales over E4M3 only change the rounding of elements that fall into E4M3's

@@ -531,6 +531,13 @@ def train(cfg: Config) -> dict:
                         "rng": (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)}, ckpt_path + ".tmp")
             os.replace(ckpt_path + ".tmp", ckpt_path)  # atomic: a crash while saving keeps the old one
 
+    def write_log():  # the whole CSV, rewritten at every validation: a killed run keeps its curve
+        if master:
+            with open(csv_path, "w", newline="") as fh:
+                w = csv.DictWriter(fh, ["step", "train_loss", "val_loss", "lr", "tokens_per_s"])
+                w.writeheader()
+                w.writerows(rows)
+
     hist, val, stop = {"train_loss": [], "val_loss": []}, None, min(cfg.stop_at or cfg.max_steps, cfg.max_steps)
     bar = tqdm(total=stop, initial=step, disable=not master, desc="train", mininterval=1.0)
     while step < stop:
@@ -561,6 +568,8 @@ def train(cfg: Config) -> dict:
         if step % cfg.log_interval == 0 or val is not None:
             rows.append({"step": step, "train_loss": f"{loss_v:.6f}", "val_loss": "" if val is None else f"{val:.6f}",
                          "lr": f"{lr:.6g}", "tokens_per_s": f"{n_tok / dt:.1f}"})
+        if val is not None:
+            write_log()
         if step % cfg.ckpt_interval == 0 or step == stop:
             save(step)
     bar.close()
@@ -568,11 +577,8 @@ def train(cfg: Config) -> dict:
         val = evaluate(raw, val_batches, ctx, world, device)
         hist["val_loss"].append((step, val))
     hist["final_val"] = val
+    write_log()
     if master:
-        with open(csv_path, "w", newline="") as fh:
-            w = csv.DictWriter(fh, ["step", "train_loss", "val_loss", "lr", "tokens_per_s"])
-            w.writeheader()
-            w.writerows(rows)
         plot(rows, os.path.join(cfg.out_dir, "loss.png"), cfg)
         log(f"done: step {step}, val loss {val:.4f}; wrote {ckpt_path}, {csv_path}, loss.png")
     if cfg.eval_leak and master:  # rank 0 alone, on the unwrapped model: a small, fixed job
