@@ -605,7 +605,6 @@ def plot(rows, path, cfg):
     plt.close(fig)
 
 
-
 def compare_plot(out_dirs, path="train_compare.png"):
     """Loss curves of several runs on one plot, from their log.csv (e.g. one per --attn recipe):
     python -c "import train_llama as t; t.compare_plot(['out_bf16', 'out_mxfp8'])" """
