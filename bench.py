@@ -78,8 +78,7 @@ def flamia_impl(recipe, lens, **kw):
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     plan = flamia.flamia_plan(cu)  # once per batch, as in training
     m = max(lens)
-    return lambda q, k, v: flamia.flamia_attn_varlen_func(q, k, v, cu, cu, m, m, recipe=recipe, plan=plan,
-                                                          check_finite=False, **kw)
+    return lambda q, k, v: flamia.flamia_attn_varlen_func(q, k, v, cu, cu, m, m, recipe=recipe, plan=plan, **kw)
 
 
 def sdpa_impl(lens, **kw):
@@ -270,7 +269,7 @@ def naive_order_impl(lens):
     plan.tiles = lambda block, side, causal=True, skip_masked=True: (
         lambda t: t[torch.argsort(t[:, 0])])(tiles(block, side, causal, skip_masked))
     m = max(lens)
-    return lambda q, k, v: flamia.flamia_attn_varlen_func(q, k, v, cu, cu, m, m, plan=plan, check_finite=False)
+    return lambda q, k, v: flamia.flamia_attn_varlen_func(q, k, v, cu, cu, m, m, plan=plan)
 
 
 def print_rows(rows):

@@ -7,7 +7,8 @@ document, and nothing is learned across a document boundary (a document's last t
 target). Attention runs through flamia.flamia_attn_varlen_func (MXFP8 by default).
 
     python train_llama.py                              # 1 GPU: 25M-param Llama, 2,000 steps, ~2 minutes on an H200
-    python train_llama.py                              # no GPU: tiny config, a few minutes on 2 cores
+    python train_llama.py                              # no GPU: tiny config (CPU_DEFAULTS), 600 steps
+    python train_llama.py --help                       # every option: what it does, its GPU and CPU default
     python train_llama.py --attn bf16 --max_steps 200  # every Config field is a flag
     torchrun --nproc_per_node=2 train_llama.py         # DDP (nccl on GPUs, gloo on CPUs)
     python train_llama.py --data PATH                  # a real corpus (below)
@@ -16,7 +17,9 @@ target). Attention runs through flamia.flamia_attn_varlen_func (MXFP8 by default
     python train_llama.py --unsafe_leaky_attention --eval_leak   # the leak demo (mxfp8, no safeguard)
 
 Data. Default, no download: every *.py file of the Python standard library (site-packages
-excluded), sorted, one file = one document, bytes as tokens (vocab 256). --data PATH can be
+excluded), sorted, one file = one document, bytes as tokens (vocab 256). Its size depends on the
+Python install (29.9M training tokens from one pyenv Python 3.11; ~9.4M on the H200 machine of
+the README's runs): the "data:" line of the log prints it. --data PATH can be
   * a directory: every *.txt *.md *.rst *.py below it (recursive, sorted), one file = one document;
   * a text file: documents separated by two (or more) consecutive blank lines;
   * a directory with nanoGPT-style train.bin / val.bin (raw uint16 token ids, no header), or one
@@ -28,15 +31,18 @@ A real corpus, e.g. FineWeb-Edu: copy nanoGPT's data/openwebtext/prepare.py, loa
 "HuggingFaceFW/fineweb-edu" (name="sample-10BT") instead of openwebtext and run it; it writes
 train.bin / val.bin of GPT-2 tokens with <|endoftext|> (50256) after every document. Then
     python train_llama.py --data data/fineweb_edu --vocab_size 50304 --doc_sep_token 50256
-Outputs in --out_dir: ckpt.pt, log.csv (step, train_loss, val_loss, lr, tokens_per_s), loss.png.
+Outputs in --out_dir (default out_train): out_train/ckpt.pt, out_train/log.csv (step, train_loss,
+val_loss, lr, tokens_per_s) and out_train/loss.png.
 """
 import argparse
 import contextlib
 import csv
+import inspect
 import math
 import os
 import re
 import sys
+import textwrap
 import time
 from dataclasses import asdict, dataclass, fields
 
@@ -53,28 +59,28 @@ import flamia
 
 @dataclass
 class Config:
-    data: str = ""  # "" = the standard library's *.py files; else a dir, a text file, or train.bin/val.bin
-    vocab_size: int = 0  # 0 = 256 (bytes); required for .bin tokens (e.g. 50304 for GPT-2)
+    data: str = ""  # corpus: a directory of text files, a text file, or train.bin/val.bin ("" = the stdlib's *.py)
+    vocab_size: int = 0  # 0 = 256 (byte tokens); required for .bin token ids (e.g. 50304 for GPT-2)
     doc_sep_token: int = 50256  # .bin only: the token that ends every document
-    val_every: int = 20  # every 20th document is validation (deterministic)
+    val_every: int = 20  # every N-th document is held out for validation (unless a val.bin exists)
     d_model: int = 512  # residual width
     n_layers: int = 8  # transformer blocks
     n_heads: int = 8  # query heads
     n_kv_heads: int = 4  # key/value heads (GQA: n_heads / n_kv_heads query heads share one)
     head_dim: int = 64  # FLAMIA's kernels take 64 or 128
     ffn_dim: int = 1536  # SwiGLU hidden width (~8/3 d_model, rounded up)
-    tie_embeddings: bool = True  # share input embedding and output head (why: see Llama)
+    tie_embeddings: bool = True  # share the input embedding and the output head (why: class Llama)
     rope_theta: float = 10000.0  # RoPE base
-    attn: str = "mxfp8"  # bf16 | mxfp8 | nvfp4 | mxfp4 (FLAMIA recipes) | sdpa (independent PyTorch reference)
+    attn: str = "mxfp8"  # a FLAMIA recipe, or sdpa: plain PyTorch SDPA per document (the reference)
     unsafe_leaky_attention: bool = False  # mxfp8 WITHOUT the causal safeguard: leaks the future (demo)
     rotate_qk: bool = False  # Hadamard-rotate Q and K before quantizing (flamia rotate_qk; same logits)
-    block_tokens: int = flamia.DEFAULT_BLOCK_TOKENS  # K/V scale block: 1 (per token) ... 128 (faster on long docs)
+    block_tokens: int = flamia.DEFAULT_BLOCK_TOKENS  # tokens per K/V scale block (128: faster on long documents)
     tokens_per_batch: int = 32768  # token budget per rank and step; global batch = this x world size
     max_doc_len: int = 2048  # context window: longer documents are cut into pieces this long
     lr: float = 2e-3  # peak learning rate
     min_lr: float = 2e-4  # end of the cosine decay
     warmup_steps: int = 100  # linear warmup
-    max_steps: int = 2000  # the schedule ends here (~7 epochs of the stdlib; 2,500 over-fit: README)
+    max_steps: int = 2000  # training steps; the cosine schedule ends here
     weight_decay: float = 0.1  # AdamW, 2-D weights only
     beta1: float = 0.9  # AdamW momentum
     beta2: float = 0.95  # AdamW second moment (0.95: steadier than 0.999 at this batch size)
@@ -88,8 +94,8 @@ class Config:
     log_interval: int = 10  # CSV row every N steps
     ckpt_interval: int = 500  # checkpoint every N steps and at the end
     compile: bool = False  # torch.compile the model
-    peak_tflops: float = 989.0  # MFU denominator per GPU: H200 dense bf16 (0 = no MFU)
-    eval_leak: bool = False  # after training: teacher-forced vs autoregressive val loss (MatX's probe)
+    peak_tflops: float = 989.0  # MFU denominator per GPU in TFLOP/s: 989 = H200 dense bf16 (0 = no MFU)
+    eval_leak: bool = False  # after training: teacher-forced vs autoregressive val loss (the leak probe)
     leak_docs: int = 8  # leak probe: validation documents
     leak_len: int = 256  # leak probe: tokens per document
 
@@ -113,15 +119,44 @@ class _Parser(argparse.ArgumentParser):
         die(message)
 
 
+def _field_help() -> dict:
+    """{field: its inline comment in Config}: the comments above are the --help text (one source)."""
+    try:
+        src = inspect.getsource(Config)
+    except (OSError, TypeError):  # no source file (e.g. a frozen build): flags without descriptions
+        return {}
+    return dict(re.findall(r"^ +(\w+): [^=]+=.*?  # (.*)$", src, re.M))
+
+
 def parse_config(argv=None) -> Config:
-    """Flags come from the dataclass: a new field is a new flag. They default to None, so we know
-    what the user set; everything else takes the GPU defaults (the dataclass) or CPU_DEFAULTS."""
-    p = _Parser(description="Pretrain a small Llama with FLAMIA attention (see the module docstring).")
+    """Flags come from the dataclass: a new field is a new flag, its comment the --help line. They
+    default to None, so we know what the user set; everything else takes the GPU defaults (the
+    dataclass) or CPU_DEFAULTS."""
+    gpu, cpu = Config(), Config(**CPU_DEFAULTS)
+    show = lambda x: '""' if x == "" else str(x)
+    no_gpu = textwrap.fill(" ".join(f"--{k}\0{show(v)}" for k, v in CPU_DEFAULTS.items()), 96,  # \0: keep pairs
+                           initial_indent="  ", subsequent_indent="  ").replace("\0", " ")
+    outputs = ", ".join(os.path.join(gpu.out_dir, f) for f in ("ckpt.pt", "log.csv", "loss.png"))
+    formatter = lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=40)
+    p = _Parser(usage="%(prog)s [-h] [--OPTION VALUE ...]", formatter_class=formatter,
+                description="Pretrain a small Llama on packed documents with FLAMIA attention (examples: the "
+                "module docstring).\nEvery option has a default; 'no GPU:' marks the tiny config used without "
+                "CUDA.",
+                epilog=f"without a CUDA GPU these defaults change (a tiny config for a CPU):\n{no_gpu}\n"
+                "boolean options: --compile, --compile 1, --compile false\n"
+                f"outputs (in --out_dir): {outputs}")
+    helps, metavars = _field_help(), {"attn": "{" + ",".join(flamia.RECIPES + ("sdpa",)) + "}", "data": "PATH",
+                                      "block_tokens": "{" + ",".join(map(str, flamia.BLOCK_TOKENS)) + "}",
+                                      "out_dir": "DIR", int: "N", float: "X", str: "S"}
     for f in fields(Config):
+        a, b = getattr(gpu, f.name), getattr(cpu, f.name)
+        default = f"default {show(a)}" + (f"; no GPU: {show(b)}" if b != a else "")
+        h = (helps.get(f.name, "") + f" ({default})").strip().replace("%", "%%")
         if f.type is bool:  # --compile, --compile true, --compile 0
-            p.add_argument(f"--{f.name}", nargs="?", const=True, type=lambda s: s.lower() in ("1", "true", "yes"))
-        else:
-            p.add_argument(f"--{f.name}", type=f.type)
+            p.add_argument(f"--{f.name}", nargs="?", const=True, type=lambda s: s.lower() in ("1", "true", "yes"),
+                           metavar="BOOL", help=h)
+        else:  # no argparse choices: validate() reports a bad --attn in its own words
+            p.add_argument(f"--{f.name}", type=f.type, metavar=metavars.get(f.name, metavars[f.type]), help=h)
     cfg = Config(**({} if torch.cuda.is_available() else CPU_DEFAULTS))
     for k, v in vars(p.parse_args(argv)).items():
         if v is not None:
@@ -316,11 +351,10 @@ def attend(q, k, v, b: Batch, cfg: Config):
     # FLAMIA takes bf16/fp16: on the CPU the model computes in fp32, so cast here. K/V scales are per
     # --block_tokens (1: per token; 128 is faster on long documents, README "Choosing block_tokens"),
     # except in the leak demo: 32-token blocks without the safeguard.
-    # check_finite=False: that check is a host sync per layer; a diverged run shows in the loss.
     leaky = cfg.unsafe_leaky_attention
     return flamia.flamia_attn_varlen_func(
         q.bfloat16(), k.bfloat16(), v.bfloat16(), b.cu, b.cu, b.max_len, b.max_len, causal=True,
-        recipe=cfg.attn, plan=b.plan, check_finite=False, safeguard=not leaky, rotate_qk=cfg.rotate_qk,
+        recipe=cfg.attn, plan=b.plan, safeguard=not leaky, rotate_qk=cfg.rotate_qk,
         block_tokens=32 if leaky else cfg.block_tokens)
 
 
@@ -580,7 +614,8 @@ def train(cfg: Config) -> dict:
     write_log()
     if master:
         plot(rows, os.path.join(cfg.out_dir, "loss.png"), cfg)
-        log(f"done: step {step}, val loss {val:.4f}; wrote {ckpt_path}, {csv_path}, loss.png")
+        log(f"done: step {step}, val loss {val:.4f}; wrote {ckpt_path}, {csv_path}, "
+            f"{os.path.join(cfg.out_dir, 'loss.png')}")
     if cfg.eval_leak and master:  # rank 0 alone, on the unwrapped model: a small, fixed job
         tf, ar, diff = hist["leak"] = leak_probe(raw, cfg, val_set, device, ctx)
         log(f"leak probe ({cfg.attn}{', UNSAFE no safeguard' if cfg.unsafe_leaky_attention else ''}): teacher-forced "
