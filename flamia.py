@@ -159,7 +159,8 @@ def dequantize_fp4(packed: torch.Tensor, block_scale: torch.Tensor, s2=None) -> 
     s2: the (T, H) second-level scale; None leaves it out (code x block scale is exact in bf16)."""
     T, H, D2 = packed.shape
     codes = torch.stack([packed & 15, packed >> 4], dim=-1).view(T, H, 2 * D2)
-    vals = e2m1_decode(codes).view(T, H, block_scale.shape[-1], -1)
+    n_blocks = block_scale.shape[-1]
+    vals = e2m1_decode(codes).view(T, H, n_blocks, 2 * D2 // n_blocks)  # (no -1: T may be 0)
     sb = e8m0_to_float(block_scale) if block_scale.dtype == torch.uint8 else block_scale.float()
     x = (vals * sb[..., None]).view(T, H, 2 * D2)
     return x if s2 is None else x * s2[..., None]
@@ -535,8 +536,7 @@ def _quantize_rows(x, amax, offs_t, in_doc, h, Y, E, T, H: tl.constexpr, D: tl.c
 
 @triton.jit
 def _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, pad_end, Y, E, YT, T, T_PAD,
-                    H: tl.constexpr, D: tl.constexpr, WRITE_T: tl.constexpr,
-                    WRITE_ROWS: tl.constexpr, PTX_CVT: tl.constexpr):
+                    H: tl.constexpr, D: tl.constexpr, WRITE_T: tl.constexpr, PTX_CVT: tl.constexpr):
     """Quantizes and stores the four token phases of a tile (rows offs_t + j of x_j, amax a_j)."""
     v0 = _quantize_rows(x0, a0, offs_t, offs_t < end, h, Y, E, T, H, D, WRITE_T)
     v1 = _quantize_rows(x1, a1, offs_t + 1, offs_t + 1 < end, h, Y, E, T, H, D, WRITE_T)
@@ -544,12 +544,6 @@ def _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, pad_end,
     v3 = _quantize_rows(x3, a3, offs_t + 3, offs_t + 3 < end, h, Y, E, T, H, D, WRITE_T)
     if WRITE_T:  # tokens 4i..4i+3 of channel d, first in the low byte: one int32 per (i, d)
         w = _e4m3_word(v0, v1, v2, v3, PTX_CVT)
-        if WRITE_ROWS:  # row-major data: byte j of w is token 4i + j
-            Y8 = Y.to(tl.pointer_type(tl.uint8), bitcast=True)
-            offs = (offs_t[:, None] * H + h) * D + tl.arange(0, D)[None, :]
-            for j in tl.static_range(4):
-                tl.store(Y8 + offs + j * H * D, ((w >> (8 * j)) & 0xFF).to(tl.uint8),
-                         mask=(offs_t + j < end)[:, None])
         # Over the document's whole padded range, zeros past its end: the padding is defined data,
         # so the attention kernels may load it with 16-byte async copies.
         offs_w = p0 // 4 + tl.arange(0, offs_t.shape[0])
@@ -564,8 +558,7 @@ def _quantize_kernel(
         Y, E, YT, Y_TOK, E_TOK, YT_TOK,  # data (T,H,D), exp (H,T), data_t (H,D,T_PAD); *_TOK: B_t=1
         stride_xt, stride_xh, T, T_PAD,
         H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-        WRITE_T: tl.constexpr, WRITE_ROWS: tl.constexpr, WRITE_TOK: tl.constexpr,
-        PTX_CVT: tl.constexpr):
+        WRITE_T: tl.constexpr, WRITE_TOK: tl.constexpr, PTX_CVT: tl.constexpr):
     # The tile is read as four token phases, x_j = rows 4i + j, all in one register layout, so the
     # token-transposed copy packs four tokens of a channel into an int32 elementwise and stores
     # 32-bit words, consecutive across a warp. (Storing the fp8 tile transposed instead makes Triton
@@ -581,7 +574,7 @@ def _quantize_kernel(
     p0 = doc_pad + (tl.load(row + TILE_START) - doc_start)  # the tile's first padded position
     if WRITE_TOK:  # the per-token copy the causal safeguard uses on the diagonal
         _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, pad_end,
-                        Y_TOK, E_TOK, YT_TOK, T, T_PAD, H, D, WRITE_T, WRITE_ROWS, PTX_CVT)
+                        Y_TOK, E_TOK, YT_TOK, T, T_PAD, H, D, WRITE_T, PTX_CVT)
     if BLOCK_TOKENS > 1:  # the tile starts at a block boundary and holds BLOCK_T // B_t blocks
         amax = tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3))  # tokens 4i..4i+3
         NB: tl.constexpr = BLOCK_T // BLOCK_TOKENS
@@ -589,7 +582,7 @@ def _quantize_kernel(
         a0 = tl.reshape(tl.broadcast_to(amax[:, None], (NB, BLOCK_TOKENS // 4)), (Q,))
         a1, a2, a3 = a0, a0, a0
     _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, pad_end, Y, E, YT, T, T_PAD,
-                    H, D, WRITE_T, WRITE_ROWS, PTX_CVT)
+                    H, D, WRITE_T, PTX_CVT)
 
 
 def _side_total(plan: Plan, side: str, x: torch.Tensor) -> None:
@@ -604,37 +597,34 @@ def _side_total(plan: Plan, side: str, x: torch.Tensor) -> None:
 
 
 def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str = "q",
-                   transposed: bool = False, per_token_copy: bool = False, rows: bool = True):
-    """Fused Triton quantizer: ONE launch reads x (T, H, D) once and writes the block-scaled data,
-    its exponents, the token-transposed copy (transposed=True) and a per-token scaled copy
-    (per_token_copy=True, for the causal safeguard). rows=False (with transposed=True) skips the
-    row-major data: the forward reads V only token-transposed. `side`: whose documents x follows
-    in `plan` ("q" or "k"). Returns an MXFP8, or (block MXFP8, per-token MXFP8)."""
+                   transposed: bool = False, per_token_copy: bool = False):
+    """Fused Triton quantizer: ONE launch reads x (T, H, D) once and writes the block-scaled data
+    (row-major, or token-transposed with transposed=True: how the forward reads V), its exponents,
+    and a per-token scaled copy in the same layout (per_token_copy=True, for the causal safeguard).
+    `side`: whose documents x follows in `plan` ("q" or "k"). Returns an MXFP8, or
+    (block MXFP8, per-token MXFP8)."""
     _check_tensor(x, "x")
     _check_block_tokens(block_tokens)
     _side_total(plan, side, x)
-    if not (rows or transposed):
-        raise ValueError("rows=False needs transposed=True (some data layout must be written)")
     x = x if x.stride(-1) == 1 else x.contiguous()
     T, H, D = x.shape
     t_pad = plan.padded_q if side == "q" else plan.padded_k
     f8 = torch.float8_e4m3fn
 
     def alloc():
-        return MXFP8(torch.empty(T, H, D, dtype=f8, device=x.device) if rows else None,
+        return MXFP8(None if transposed else torch.empty(T, H, D, dtype=f8, device=x.device),
                      torch.empty(H, T, dtype=torch.uint8, device=x.device),
                      torch.empty(H, D, t_pad, dtype=f8, device=x.device) if transposed else None)
     out = alloc()
     tok = alloc() if per_token_copy else out
     tiles = plan.tiles(QUANT_TILE, side, causal=False, skip_masked=False)
     if tiles.shape[0] > 0:
-        some = lambda a, b: a if a is not None else b  # a layout not written: any pointer will do
+        data = lambda m: m.data_t if transposed else m.data
         _quantize_kernel[(tiles.shape[0], H)](
-            x, tiles, some(out.data, out.data_t), out.exp, some(out.data_t, out.data),
-            some(tok.data, tok.data_t), tok.exp, some(tok.data_t, tok.data),
+            x, tiles, data(out), out.exp, data(out), data(tok), tok.exp, data(tok),
             x.stride(0), x.stride(1), T, t_pad, H=H, D=D, BLOCK_T=QUANT_TILE,
-            BLOCK_TOKENS=block_tokens, WRITE_T=transposed, WRITE_ROWS=rows,
-            WRITE_TOK=per_token_copy, PTX_CVT=not INTERPRETED,
+            BLOCK_TOKENS=block_tokens, WRITE_T=transposed, WRITE_TOK=per_token_copy,
+            PTX_CVT=not INTERPRETED,
             num_warps=8)  # 4 warps spill with the per-token copy
     return (out, tok) if per_token_copy else out
 
@@ -1094,8 +1084,8 @@ def _attn_fwd(
 def _fwd_config(D: int, recipe: str):
     """(BLOCK_M, BLOCK_N, MASKED_N, num_warps, num_stages) of the forward (`bench.py --tune` on the
     H200, D=128): fp8 wants long key tiles (P V contracts over BLOCK_N) and one warpgroup per 64
-    query rows; narrow diagonal tiles help packed documents. FP4's emulation decodes nothing in the
-    kernel but spills less with smaller key tiles. D=64 reuses D=128's choice."""
+    query rows; narrow diagonal tiles help packed documents. The FP4 emulation (bf16 Q K^T, fp8 P V)
+    is not tuned for speed; D=64 reuses D=128's choice."""
     if recipe == "mxfp8":
         return 64, 128, 32, 4, 3
     if _RECIPES[recipe].k_fp4:
@@ -1570,8 +1560,7 @@ def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, c
         k8 = quantize_mxfp8(k, plan, block_tokens, "k")
         k_parts = (k8.data, k8.exp, None)
     # V only token-transposed: the K-major operand of P V (the backward dequantizes this copy).
-    vq = quantize_mxfp8(v, plan, block_tokens, "k", transposed=True, per_token_copy=copies,
-                        rows=False)
+    vq = quantize_mxfp8(v, plan, block_tokens, "k", transposed=True, per_token_copy=copies)
     v8, vs8 = vq if copies else (vq, None)
     v_tok = (vs8.data_t, vs8.exp) if copies else (None, None)
     parts = (q8.data, q8.exp, *k_parts, *k_tok, v8.data_t, v8.exp, *v_tok)
