@@ -203,7 +203,7 @@ class Recipe:
 _RECIPES = {r.name: r for r in (Recipe("bf16", "bf16", False), Recipe("mxfp8", "e4m3", True),
                                 Recipe("nvfp4", "nvfp4", False), Recipe("mxfp4", "mxfp4", True))}
 RECIPES = tuple(_RECIPES)
-BACKENDS = ("wgmma", "dot_scaled")
+BACKENDS = ("wgmma", "dot_scaled", "gluon")
 
 
 def _pad16(n):
@@ -1124,6 +1124,14 @@ def _attn_forward(q, k, v, ops, plan: Plan, *, causal, softmax_scale, recipe, bl
     Tq, H, D = q.shape
     Tk, HK = k.shape[:2]
     r = _RECIPES[recipe]
+    empty_rows = plan.rows_without_keys[causal]
+    o = (torch.zeros if empty_rows else torch.empty)(Tq, H, D, dtype=q.dtype, device=q.device)
+    lse = (torch.full((H, Tq), float("-inf"), device=q.device) if empty_rows
+           else torch.empty(H, Tq, device=q.device))
+    if backend == "gluon":
+        return _attn_forward_gluon(q, k, v, ops, plan, o, lse, causal=causal,
+                                   softmax_scale=softmax_scale, recipe=recipe,
+                                   block_tokens=block_tokens, safeguard=safeguard)
     BLOCK_M, BLOCK_N, MASKED_N, warps, stages = _fwd_config(D, recipe)
     mode = _safeguard_mode(plan, r, causal, safeguard, block_tokens, BLOCK_M, BLOCK_N, MASKED_N)
     dot_scaled = backend == "dot_scaled"
@@ -1146,10 +1154,6 @@ def _attn_forward(q, k, v, ops, plan: Plan, *, causal, softmax_scale, recipe, bl
         operands = (ops.q, ops.q_exp, k_data, k_block, ops.k_exp, ops.v_t, ops.v_exp,
                     *k_tok, *v_tok)
         strides_v = (D * plan.padded_k, plan.padded_k, 1)  # (H, D, T_pad) token-transposed
-    empty_rows = plan.rows_without_keys[causal]
-    o = (torch.zeros if empty_rows else torch.empty)(Tq, H, D, dtype=q.dtype, device=q.device)
-    lse = (torch.full((H, Tq), float("-inf"), device=q.device) if empty_rows
-           else torch.empty(H, Tq, device=q.device))
     tiles = plan.tiles(BLOCK_M, "q", causal)
     if tiles.shape[0] > 0:
         _attn_fwd[(tiles.shape[0], H)](
@@ -1158,6 +1162,42 @@ def _attn_forward(q, k, v, ops, plan: Plan, *, causal, softmax_scale, recipe, bl
             BLOCK_TOKENS=block_tokens, CAUSAL=causal, K_FORMAT=k_format, SAFEGUARD=mode,
             DOT_SCALED=dot_scaled, num_warps=warps, num_stages=stages)
     return o, lse
+
+
+# The Hopper-specific forward (backend="gluon"): flamia_hopper.py, an FA3-style warp-specialized Gluon
+# kernel (TMA producer warp, two consumer warpgroups, async wgmma) on the same operands, the same
+# function and the same safeguard, for bf16 and mxfp8 on sm_90 with triton 3.6. It is optional: where
+# it is absent or cannot run, backend="gluon" is refused with the reason, never silently replaced.
+_GLUON_IMPORT_ERROR = None
+try:
+    import flamia_hopper
+except Exception as e:  # absent, or this triton's Gluon API differs from the one it was written for
+    flamia_hopper = None
+    _GLUON_IMPORT_ERROR = f"flamia_hopper.py not importable: {type(e).__name__}: {e}"
+
+
+def gluon_unavailable_reason():
+    """None where backend="gluon" runs (flamia_hopper.py, triton 3.6, an sm_90 GPU), else why not."""
+    return _GLUON_IMPORT_ERROR if flamia_hopper is None else flamia_hopper.unavailable_reason()
+
+
+def _attn_forward_gluon(q, k, v, ops, plan, o, lse, *, causal, softmax_scale, recipe, block_tokens,
+                        safeguard):
+    mode = _safeguard_mode(plan, _RECIPES[recipe], causal, safeguard, block_tokens,
+                           flamia_hopper.BLOCK_M, 128)
+    why = flamia_hopper.unsupported_reason(recipe, q.dtype, mode)
+    if why:
+        raise ValueError(f"backend='gluon' cannot compute this call: {why}; use backend='wgmma'")
+    tiles = plan.tiles(flamia_hopper.BLOCK_M, "q", causal)
+    kw = dict(softmax_scale=softmax_scale, causal=causal, recipe=recipe, block_tokens=block_tokens)
+    if recipe == "bf16":
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        return flamia_hopper.attn_fwd(q, None, k, None, v, None, o, lse, tiles, **kw)
+    per_token = (ops.k_tok, ops.k_tok_exp, ops.v_tok_t, ops.v_tok_exp) if mode == "tile" else None
+    # v_len: the token-transposed V ends at the last document's padding; the tail of the buffer is
+    # never written, so the kernel's TMA boxes must read zeros (out of bounds) there, not garbage.
+    return flamia_hopper.attn_fwd(ops.q, ops.q_exp, ops.k, ops.k_exp, ops.v_t, ops.v_exp, o, lse,
+                                  tiles, per_token=per_token, v_len=plan.pad_k[-1], **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1723,6 +1763,8 @@ def _check_options(recipe, block_tokens, backend, x) -> str:
         return _default_backend(x, recipe)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if backend == "gluon" and gluon_unavailable_reason():
+        raise ValueError(f"backend='gluon' is not available here: {gluon_unavailable_reason()}")
     if backend == "dot_scaled" and not _RECIPES[recipe].dot_scaled:
         raise ValueError(f"backend='dot_scaled' is for recipe='mxfp8' or 'mxfp4', got "
                          f"recipe={recipe!r} (tl.dot_scaled takes no E4M3 block scales)")
@@ -1762,8 +1804,9 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     safeguard: False disables the causal safeguard (LEAKS the future; for tests and demos only).
     rotate_qk: multiply Q and K by a +-1 Hadamard matrix with random signs before quantizing
         (same S, less quantization error when head-dim channels have outliers).
-    backend: "wgmma" (fp8 tl.dot, scales outside the MMA) or "dot_scaled" (E8M0 scales inside the
-        MMA); default: dot_scaled on Blackwell (sm_100+) for mxfp8 / mxfp4, wgmma otherwise.
+    backend: "wgmma" (fp8 tl.dot, scales outside the MMA), "dot_scaled" (E8M0 scales inside the
+        MMA) or "gluon" (flamia_hopper.py's warp-specialized Hopper forward, bf16 / mxfp8); default:
+        dot_scaled on Blackwell (sm_100+) for mxfp8 / mxfp4, wgmma otherwise.
     plan: flamia_plan(cu_seqlens_q, cu_seqlens_k), built once per batch and shared by all layers;
         without it each call finds or builds one (a host sync when it builds).
     check_finite: raise ValueError on inf/NaN inputs (one host sync per call).

@@ -1,0 +1,465 @@
+"""
+flamia_hopper: a FlashAttention-3-style Gluon forward for Hopper (sm_90, triton 3.6) that computes the
+function of flamia.py's forward for recipe="mxfp8" (block_tokens 1, and 128 with the per-tile safeguard)
+and recipe="bf16" (the same kernel without scales). flamia.py imports it when it is present and uses
+it for backend="gluon" (forward only; the backward stays flamia's). Tested on the H200 by
+test_flamia.py's GPU tests: oracle agreement, audit_causality, determinism.
+
+The schedule (one CTA = one query tile of 128 rows of one document x one query head, from the Plan)
+----------------------------------------------------------------------------------------------------
+Three partitions (gl.warp_specialize), 9 warps, one CTA per SM. Launch with maxnreg=168: the 9 warps are
+padded to 3 warpgroups and 3 x 128 x 168 registers are redistributed by setmaxnreg to 240 / 240 / 24.
+
+  loader   (1 warp, 24 regs)   Loads the tile's Q once (two 64-row TMA boxes, barrier q_bar[w] each),
+                               then walks the document's key tiles j = 0 .. n_kt-1 through a ring of
+                               STAGES shared-memory slots s = j % STAGES:
+                                 wait kv_empty[s]                  (both consumers are done with slot s)
+                                 TMA K_j   -> k_s[s],  arrives on k_ready[s]   (expect-tx barrier)
+                                 TMA V_j^T -> v_s[s],  arrives on v_ready[s]   (S can start before V lands)
+                                 mxfp8: load the tile's 2 x 128 scale bytes, store 2^(ek-127) (fp32) and
+                                 ev-127 (int32) to sk_s[s], ev_s[s], then arrive on sc_ready[s].
+                               The scale rows (H, T) of E8M0 bytes are not 16-byte aligned in general,
+                               so TMA cannot fetch them; this warp runs STAGES tiles ahead, which hides
+                               their latency (loaded in the consumers they sat on the critical path).
+                               B_t=128, causal: the masked (diagonal) tiles come from the per-token
+                               copies KS, VS, EKS, EVS instead (flamia's per-tile causal safeguard).
+  consumer w=0 (4 warps, 240)  one warpgroup = 64 query rows (rows 0..63 of the tile)
+  consumer w=1 (4 warps, 240)  rows 64..127. Both read the same slots: kv_empty is initialised with count 2.
+
+Per consumer warpgroup, iteration j (FA3's intra-warpgroup pipelining, OVERLAP=True, the default):
+    wait k_ready[j]                issue S_j  = Q K_j^T             (async wgmma, smem x smem)
+    wait v_ready[j-1]              issue O   += P_{j-1} V_{j-1}     (async wgmma, P from registers)
+    wgmma_wait(1) -> S_j           (PV_{j-1} is still running on the tensor core ...)
+    wait sc_ready[j]; softmax(S_j) -> P_j, alpha_j   (... while the CUDA cores / MUFU do this)
+    wgmma_wait(0) -> O;  arrive kv_empty[j-1];  O *= alpha_j
+Tile 0 (no P V yet) is peeled, then the tiles every row sees in full (no mask), then the masked ones
+(diagonal / document end), then the last O += P V and the epilogue. Only finished tensors (O, P, m, l,
+ref) cross iterations; async wgmma tokens never do. OVERLAP=False waits for both GEMMs before the
+softmax (then only the other warpgroup hides it).
+
+PINGPONG=True (FA3's inter-warpgroup ping-pong): the two warpgroups take turns to ISSUE their GEMMs
+through two mbarriers: warpgroup w waits pp[w], issues S_j (+ PV_{j-1}), arrives on pp[1-w], so the
+tensor core receives WG0's GEMMs, then WG1's, ... and one warpgroup's softmax runs under the other's
+GEMMs. Warpgroup 0 starts (its first wait uses a fresh barrier's phase trick); both walk the same number
+of key tiles, so the turns pair up. It measured no faster than the default on the H200, so it is off.
+
+Where the scales enter (MXFP8; the numerics of flamia's _attn_fwd_step, per key, B_t=1 or 128):
+    s     = (Q8 K8^T)[i, j] * 2^(ek_j - 127)                      column scale on the fp32 S (1 FMUL)
+    m_i   = max(m_i, rowmax(s) * qscale_i)     qscale_i = 2^(eq_i - 127) * softmax_scale * log2(e)
+    ref_i = max(ref_i, max ev_j over the keys row i SEES)         (visible keys only: no future leak)
+    p_r   = exp2(s * qscale_i - m_i - (ref_i - 8))                row part of V's scale in the offset
+    l_i   = l_i * exp2(m_old - m_i) + sum_j p_r * 2^(ref_i - 8)   l in real units
+    P8    = E4M3(p_r * 2^ev_j)  (<= 2^8, never saturates)         V's per-key scale folded into P
+    O    += P8 @ V8^T-tile     O in units of 2^(ref_i - 8), rescaled by exp2(dm + dref) per row.
+
+Packed documents: TMA boxes start at any token row. Rows of a K box past the document end belong to
+the next document (or are zero-filled past the tensor end): they get -inf in S, exactly as in the tl
+kernel, so P is exactly 0 there and the V columns they meet contribute 0 * finite = 0. The
+token-transposed V's descriptor ends at the last document's padded end (v_len = plan.pad_k[-1]): the
+quantizer leaves the rest of its buffer uninitialized, and a NaN byte there would give 0 * NaN = NaN
+A NaN inside the next document's V still reaches this tile through
+0 * NaN: flamia's documented caveat for non-finite inputs (check_finite rejects them). Q rows past the
+document end are computed and never stored (masked stores of O and LSE).
+
+Limits: D in {64, 128}; B_t in {1, 128} (128 causal only where flamia's _tile_safeguard holds for
+128-wide tiles); B_t = 32/64 causal (per-pair safeguard) stay on flamia's tl kernel; bf16 inputs
+(fp16 was not validated); Tq*H*D < 2^31. Speed: README ("Hopper: the Gluon forward").
+"""
+import torch
+import triton
+# Gluon's API moves between triton versions: this file is written for the H200 machine's triton 3.6.
+# Elsewhere these imports (or unavailable_reason) fail, and flamia.py keeps its portable tl kernels.
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+
+def unavailable_reason():
+    """None where the Gluon forward can run (triton 3.6, an sm_90 GPU), else why not."""
+    if not triton.__version__.startswith("3.6"):
+        return f"flamia_hopper.py is written for triton 3.6 (Gluon's API moves), found {triton.__version__}"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if torch.cuda.get_device_capability()[0] != 9:
+        cap = "".join(map(str, torch.cuda.get_device_capability()))
+        return f"flamia_hopper.py needs an sm_90 GPU (Hopper), found sm_{cap}"
+    return None
+
+
+# The tile table's columns (flamia.py section 2) are read by index in the kernel:
+# 0 TILE_START, 1 TILE_END, 2 OWN_START, 3 OWN_END, 4 OTHER_START, 5 OTHER_END, 6 OTHER_PAD
+
+# ------------------------------------------------------------------------------------------------
+# layouts
+# ------------------------------------------------------------------------------------------------
+@gluon.constexpr_function
+def _mma_layout(dtype, N):
+    # one warpgroup (4 warps) x 64 rows; K of the instruction: 32 bytes
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, N, 256 // dtype.primitive_bitwidth])
+
+@gluon.constexpr_function
+def _p_layout(parent, dtype):  # P as the register (A) operand of P V
+    return gl.DotOperandLayout(operand_index=0, parent=parent, k_width=32 // dtype.primitive_bitwidth)
+
+@gluon.jit
+def _exp2_int(e):
+    """2^(e - 127) for int32 e in [1, 254], from the bits (exact, no MUFU)."""
+    return (e << 23).to(gl.float32, bitcast=True)
+
+@gluon.jit
+def _stage_scales(EK, EV, EKS, EVS, sk_slot, ev_slot, hk, T_K, n0, kd_end, per_token, BLOCK_N: gl.constexpr):
+    """Loader: the key tile's scales into its ring slot, ready for the softmax (2^(ek-127) fp32, ev-127 int32)."""
+    sl: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
+    offs = n0 + gl.arange(0, BLOCK_N, layout=sl)
+    km = offs < kd_end  # past the document: ek -> 2^0, ev -> -126 (never raises the reference exponent)
+    if per_token:  # diagonal tiles of B_t=128: the per-token copies
+        ek = gl.load(EKS + hk * T_K + offs, mask=km, other=127)
+        ev = gl.load(EVS + hk * T_K + offs, mask=km, other=1)
+    else:
+        ek = gl.load(EK + hk * T_K + offs, mask=km, other=127)
+        ev = gl.load(EV + hk * T_K + offs, mask=km, other=1)
+    sk_slot.store(_exp2_int(ek.to(gl.int32)))
+    ev_slot.store(ev.to(gl.int32) - 127)
+
+# ------------------------------------------------------------------------------------------------
+# loader partition (1 warp): TMA into the ring
+# ------------------------------------------------------------------------------------------------
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, ks_desc, vs_desc, q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready,
+            sc_ready, kv_empty, EK, EV, EKS, EVS, T_K, q_start, h, hk, kd_start, kd_end, v_base, n_kt, n_unmasked,
+            D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QUANT: gl.constexpr,
+            TILE_SAFEGUARD: gl.constexpr):
+    for w in gl.static_range(2):
+        mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_start + w * 64, h * D], q_bar.index(w), q_s.index(w))
+    for j in range(n_kt):
+        s = j % STAGES
+        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)  # fresh slots pass at once
+        n0 = kd_start + j * BLOCK_N
+        v0 = v_base + j * BLOCK_N
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        if TILE_SAFEGUARD:
+            if j >= n_unmasked:  # diagonal tiles of B_t=128: the per-token copies
+                tma.async_copy_global_to_shared(ks_desc, [n0, hk * D], k_ready.index(s), k_s.index(s))
+                tma.async_copy_global_to_shared(vs_desc, [hk * D, v0], v_ready.index(s), v_s.index(s))
+            else:
+                tma.async_copy_global_to_shared(k_desc, [n0, hk * D], k_ready.index(s), k_s.index(s))
+                tma.async_copy_global_to_shared(v_desc, [hk * D, v0], v_ready.index(s), v_s.index(s))
+        else:
+            tma.async_copy_global_to_shared(k_desc, [n0, hk * D], k_ready.index(s), k_s.index(s))
+            if QUANT:  # V token-transposed (HK*D, T_pad): box [D, BLOCK_N]
+                tma.async_copy_global_to_shared(v_desc, [hk * D, v0], v_ready.index(s), v_s.index(s))
+            else:  # V row-major (Tk, HK*D): box [BLOCK_N, D]
+                tma.async_copy_global_to_shared(v_desc, [n0, hk * D], v_ready.index(s), v_s.index(s))
+        if QUANT:
+            # The tile's scales: E8M0 rows (H, T) are not 16-byte aligned in general, so no TMA; this warp
+            # loads them (it runs STAGES tiles ahead, which hides the latency) and stages 2^(ek-127) as
+            # fp32 and ev - 127 as int32, so that the consumers do no global loads and no conversions.
+            _stage_scales(EK, EV, EKS, EVS, sk_s.index(s), ev_s.index(s), hk, T_K, n0, kd_end,
+                          TILE_SAFEGUARD and j >= n_unmasked, BLOCK_N)
+            mbarrier.arrive(sc_ready.index(s), count=1)
+
+# ------------------------------------------------------------------------------------------------
+# consumer partition (one warpgroup, 64 query rows)
+# ------------------------------------------------------------------------------------------------
+@gluon.jit
+def _softmax(s, m_i, l_i, ref_i, qscale, rows, offs_n, SK, EVR, kd_start, kd_end, qd_start, shift,
+             CAUSAL: gl.constexpr, QUANT: gl.constexpr, MASKED: gl.constexpr, P_DTYPE: gl.constexpr):
+    """Online softmax of one key tile (see the header): returns P (P_DTYPE, S's layout), the row factor
+    for O, and the new m, l, ref."""
+    kmask = offs_n < kd_end
+    if QUANT:
+        col_l: gl.constexpr = gl.SliceLayout(0, s.type.layout)
+        ev = EVR.load(col_l)  # staged by the loader: ev - 127 (int32) and 2^(ek - 127) (fp32)
+        s = s * gl.expand_dims(SK.load(col_l), 0)
+    if MASKED:  # keys past the document end; (causal) keys after the row's position
+        visible = gl.expand_dims(kmask, 0)
+        if CAUSAL:
+            pos_q = rows - qd_start + shift  # bottom-right alignment
+            visible = visible & (gl.expand_dims(offs_n - kd_start, 0) <= gl.expand_dims(pos_q, 1))
+        s = gl.where(visible, s, float("-inf"))
+    # the row max is taken before the row factor: qscale > 0 and rounding is monotonic
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qscale)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
+    if QUANT:
+        if MASKED:
+            ref_new = gl.maximum(ref_i, gl.max(gl.where(visible, gl.expand_dims(ev, 0), -1000), 1))
+        else:  # every row sees every key of the tile
+            ref_new = gl.maximum(ref_i, gl.max(ev, 0))
+        p_r = gl.exp2(s * gl.expand_dims(qscale, 1) - gl.expand_dims(m_use + (ref_new - 8).to(gl.float32), 1))
+        l_i = l_i * gl.exp2(m_i - m_use) + gl.sum(p_r, 1) * _exp2_int(ref_new + 119)  # 2^(ref - 8)
+        alpha = gl.exp2((m_i - m_use) + (ref_i - ref_new).to(gl.float32))  # one exp2: max and ref
+        p = (p_r * gl.expand_dims(_exp2_int(ev + 127), 0)).to(gl.float8e4nv)
+    else:
+        ref_new = ref_i
+        p = gl.exp2(s * gl.expand_dims(qscale, 1) - gl.expand_dims(m_use, 1))
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        p = p.to(P_DTYPE)
+    return p, alpha, m_new, l_i, ref_new
+
+@gluon.jit
+def _v_operand(v_s, st, QUANT: gl.constexpr):
+    if QUANT:  # token-transposed slot [D, BLOCK_N]: K-major B operand, as fp8 wgmma needs
+        return v_s.index(st).permute((1, 0))
+    else:  # row-major slot [BLOCK_N, D]: MN-major B operand (16-bit wgmma takes it)
+        return v_s.index(st)
+
+@gluon.jit
+def _step(j, acc, p, m_i, l_i, ref_i, q, qscale, rows, k_s, v_s, k_ready, v_ready, kv_empty, pp,
+          sk_s, ev_s, sc_ready, kd_start, kd_end, qd_start, shift,
+          WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+          QUANT: gl.constexpr, MASKED: gl.constexpr, FIRST: gl.constexpr, OVERLAP: gl.constexpr,
+          PINGPONG: gl.constexpr):
+    """Key tile j: S_j = Q K_j^T, (not FIRST) O += P_{j-1} V_{j-1}, softmax(S_j) -> P_j."""
+    dtype: gl.constexpr = q.dtype
+    s_layout: gl.constexpr = _mma_layout(dtype, BLOCK_N)
+    o_layout: gl.constexpr = acc.type.layout
+    st = j % STAGES
+    offs_n = kd_start + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
+    if PINGPONG:  # my turn to feed the tensor core
+        mbarrier.wait(pp.index(WG), (j & 1) ^ (1 - WG))
+    s_tok = warpgroup_mma(q, k_s.index(st).permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+    if not FIRST:
+        sp = (j - 1) % STAGES
+        mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
+        acc_tok = warpgroup_mma(p, _v_operand(v_s, sp, QUANT), acc, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(pp.index(1 - WG), count=1)
+    if FIRST or OVERLAP:
+        s = warpgroup_mma_wait(num_outstanding=1 if not FIRST else 0, deps=(s_tok,))
+    else:
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+    SK = sk_s.index(st)
+    EVR = ev_s.index(st)
+    if QUANT:
+        mbarrier.wait(sc_ready.index(st), (j // STAGES) & 1)
+    p_new, alpha, m_i, l_i, ref_i = _softmax(s, m_i, l_i, ref_i, qscale, rows, offs_n, SK, EVR, kd_start, kd_end,
+                                             qd_start, shift, CAUSAL, QUANT, MASKED, dtype)
+    if not FIRST:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
+        mbarrier.arrive(kv_empty.index(sp), count=1)  # K_{j-1} and V_{j-1} are consumed
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    p_new = gl.convert_layout(p_new, _p_layout(o_layout, dtype))
+    return acc, p_new, m_i, l_i, ref_i
+
+@gluon.jit
+def _consumer(q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_empty, pp,
+              EQ, O, LSE, sm_scale_log2, T_Q, T_K, H,
+              h, hk, q_start, q_end, qd_start, kd_start, kd_end, shift, n_kt, n_unmasked,
+              WG: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, QUANT: gl.constexpr, TILE_SAFEGUARD: gl.constexpr,
+              OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+    dtype: gl.constexpr = q_s.dtype
+    s_layout: gl.constexpr = _mma_layout(dtype, BLOCK_N)
+    o_layout: gl.constexpr = _mma_layout(dtype, D)
+    row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+    rows = q_start + WG * 64 + gl.arange(0, 64, layout=row_l)
+    qmask = rows < q_end
+    if QUANT:
+        qscale = _exp2_int(gl.load(EQ + h * T_Q + rows, mask=qmask, other=127).to(gl.int32)) * sm_scale_log2
+    else:
+        qscale = gl.full([64], 1.0, gl.float32, row_l) * sm_scale_log2
+    m_i = gl.full([64], float("-inf"), gl.float32, row_l)
+    l_i = gl.zeros([64], gl.float32, row_l)
+    ref_i = gl.full([64], -100, gl.int32, row_l)  # V reference exponent; >= -100 keeps 2^(8-ref) finite
+    acc = gl.zeros([64, D], gl.float32, o_layout)
+    mbarrier.wait(q_bar.index(WG), 0)
+    q = q_s.index(WG)
+    # tile 0 (no P V yet); masked or not is a runtime fact
+    p0 = gl.zeros([64, BLOCK_N], dtype, _p_layout(o_layout, dtype))  # placeholder: tile 0 has no P V
+    if n_unmasked > 0:
+        acc, p, m_i, l_i, ref_i = _step(0, acc, p0, m_i, l_i, ref_i, q, qscale, rows, k_s, v_s, k_ready,
+                                        v_ready, kv_empty, pp, sk_s, ev_s, sc_ready, kd_start, kd_end, qd_start,
+                                        shift, WG, BLOCK_N, STAGES, CAUSAL, QUANT, False, True, OVERLAP,
+                                        PINGPONG)
+    else:
+        acc, p, m_i, l_i, ref_i = _step(0, acc, p0, m_i, l_i, ref_i, q, qscale, rows, k_s, v_s, k_ready,
+                                        v_ready, kv_empty, pp, sk_s, ev_s, sc_ready, kd_start, kd_end, qd_start,
+                                        shift, WG, BLOCK_N, STAGES, CAUSAL, QUANT, True, True, OVERLAP,
+                                        PINGPONG)
+    for j in range(1, n_unmasked):  # tiles every row sees in full: no mask
+        acc, p, m_i, l_i, ref_i = _step(j, acc, p, m_i, l_i, ref_i, q, qscale, rows, k_s, v_s, k_ready,
+                                        v_ready, kv_empty, pp, sk_s, ev_s, sc_ready, kd_start, kd_end, qd_start,
+                                        shift, WG, BLOCK_N, STAGES, CAUSAL, QUANT, False, False, OVERLAP,
+                                        PINGPONG)
+    for j in range(gl.maximum(n_unmasked, 1), n_kt):  # the diagonal / the document's end
+        acc, p, m_i, l_i, ref_i = _step(j, acc, p, m_i, l_i, ref_i, q, qscale, rows, k_s, v_s, k_ready,
+                                        v_ready, kv_empty, pp, sk_s, ev_s, sc_ready, kd_start, kd_end, qd_start,
+                                        shift, WG, BLOCK_N, STAGES, CAUSAL, QUANT, True, False, OVERLAP,
+                                        PINGPONG)
+    # the last P V
+    sp = (n_kt - 1) % STAGES
+    mbarrier.wait(v_ready.index(sp), ((n_kt - 1) // STAGES) & 1)
+    acc_tok = warpgroup_mma(p, _v_operand(v_s, sp, QUANT), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
+    mbarrier.arrive(kv_empty.index(sp), count=1)
+    # epilogue: O = acc / l (back from units of 2^(ref - 8)), LSE in natural log
+    orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
+    if QUANT:
+        acc = acc * gl.expand_dims(gl.convert_layout(_exp2_int(ref_i + 119), orow_l), 1)
+    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / gl.expand_dims(gl.convert_layout(l_safe, orow_l), 1)
+    m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
+    lse = gl.where(l_i == 0.0, float("-inf"), (m_use + gl.log2(l_safe)) * 0.6931471805599453)
+    gl.store(LSE + h * T_Q + rows, lse, mask=qmask)
+    rows_o = gl.convert_layout(rows, orow_l)
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    ptrs = O + (gl.expand_dims(rows_o, 1) * H + h) * D + gl.expand_dims(offs_d, 0)
+    omask = gl.expand_dims(rows_o < q_end, 1) & gl.expand_dims(offs_d < D, 0)
+    gl.store(ptrs, o.to(O.dtype.element_ty), mask=omask)
+
+# ------------------------------------------------------------------------------------------------
+# the kernel
+# ------------------------------------------------------------------------------------------------
+@gluon.jit
+def _attn_fwd_hopper(q_desc, k_desc, v_desc, ks_desc, vs_desc, EQ, EK, EV, EKS, EVS, O, LSE, TILES,
+                     sm_scale_log2, T_Q, T_K, H, HK,
+                     D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BLOCK_TOKENS: gl.constexpr,
+                     CAUSAL: gl.constexpr, QUANT: gl.constexpr, TILE_SAFEGUARD: gl.constexpr,
+                     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+    h = gl.program_id(0)  # heads fastest: the LPT order of the tile table holds across heads
+    tile = gl.program_id(1)
+    hk = h // (H // HK)
+    row = TILES + tile * 8
+    q_start = gl.load(row + 0)
+    q_end = gl.load(row + 1)
+    qd_start = gl.load(row + 2)
+    qd_end = gl.load(row + 3)
+    kd_start = gl.load(row + 4)
+    kd_end = gl.load(row + 5)
+    v_base = gl.load(row + 6) if QUANT else kd_start
+    shift = (kd_end - kd_start) - (qd_end - qd_start)
+    kd_len = kd_end - kd_start
+    # flamia's _key_range for 128-row query tiles and BLOCK_N-key tiles
+    if CAUSAL:
+        first = q_start - qd_start + shift
+        n_full = gl.maximum(first + 1, 0) // BLOCK_N * BLOCK_N
+        if TILE_SAFEGUARD:
+            n_full = gl.minimum(n_full, gl.maximum(first, 0) // BLOCK_TOKENS * BLOCK_TOKENS // BLOCK_N * BLOCK_N)
+        hi = gl.minimum(kd_len, q_end - qd_start + shift)
+    else:
+        n_full = kd_len // BLOCK_N * BLOCK_N
+        hi = kd_len
+    n_unmasked = n_full // BLOCK_N
+    n_kt = (hi + BLOCK_N - 1) // BLOCK_N
+
+    q_s = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_s = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_s = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    sc_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    sk_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], sc_l)
+    ev_s = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], sc_l)
+    sc_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    pp = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(pp.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(sc_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)  # both consumer warpgroups release a slot
+    WG0: gl.constexpr = 0
+    WG1: gl.constexpr = 1
+    gl.warp_specialize([
+        (_consumer, (q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_empty, pp, EQ, O, LSE,
+                     sm_scale_log2, T_Q, T_K, H, h, hk, q_start, q_end, qd_start, kd_start, kd_end, shift, n_kt,
+                     n_unmasked, WG0, D, BLOCK_N, STAGES, CAUSAL, QUANT, TILE_SAFEGUARD, OVERLAP, PINGPONG)),
+        (_consumer, (q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_empty, pp, EQ, O, LSE,
+                     sm_scale_log2, T_Q, T_K, H, h, hk, q_start, q_end, qd_start, kd_start, kd_end, shift, n_kt,
+                     n_unmasked, WG1, D, BLOCK_N, STAGES, CAUSAL, QUANT, TILE_SAFEGUARD, OVERLAP, PINGPONG)),
+        (_loader, (q_desc, k_desc, v_desc, ks_desc, vs_desc, q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready,
+                   sc_ready, kv_empty, EK, EV, EKS, EVS, T_K, q_start, h, hk, kd_start, kd_end, v_base, n_kt,
+                   n_unmasked, D, BLOCK_N, STAGES, QUANT,
+                   TILE_SAFEGUARD)),
+    ], [4, 1], [240, 24])
+
+
+# ----------------------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------------------
+BLOCK_M = 128  # query rows per CTA (2 warpgroups x 64): the Plan's tile table must use this
+
+
+def default_config(recipe: str, D: int) -> dict:
+    """BLOCK_N, STAGES, OVERLAP, PINGPONG. Shared memory: Q 2*64*D + STAGES*(K + V) tiles."""
+    if recipe == "bf16":
+        return dict(BLOCK_N=128, STAGES=2 if D == 128 else 3, OVERLAP=True, PINGPONG=False)
+    return dict(BLOCK_N=128, STAGES=4 if D == 128 else 5, OVERLAP=True, PINGPONG=False)
+
+
+def unsupported_reason(recipe: str, dtype, safeguard_mode: str):
+    """None when attn_fwd computes this configuration (as validated on the H200), else why not.
+    safeguard_mode: flamia's "off", "tile" or "pair" for the 128 x 128 tiles of this kernel."""
+    if recipe not in ("mxfp8", "bf16"):
+        return f"recipe={recipe!r} (the Gluon forward has mxfp8 and bf16)"
+    if dtype != torch.bfloat16:
+        return f"{dtype} inputs (only bfloat16 was validated on the GPU)"
+    if safeguard_mode == "pair":
+        return ("the per-pair causal safeguard (block_tokens 32 or 64, or 128 with causal shifts "
+                "that are not multiples of 128)")
+    return None
+
+
+def _desc(t, shape, strides, block):
+    """A TMA descriptor of a 2-D view of t. (Not cached: a cached descriptor would keep its tensor
+    alive, and triton 3.6 re-encodes descriptors at every launch anyway.)"""
+    dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16}[t.dtype]
+    return TensorDescriptor(t, list(shape), list(strides), list(block),
+                            gl.NVMMASharedLayout.get_default_for(list(block), dtype))
+
+
+def attn_fwd(q_data, q_exp, k_data, k_exp, v_data, v_exp, o, lse, tiles, *, softmax_scale, causal, recipe="mxfp8",
+             block_tokens=1, per_token=None, v_len=None, config=None):
+    """Launch the Gluon forward on flamia's operands.
+
+    mxfp8: q_data (Tq, H, D) e4m3, q_exp (H, Tq) u8; k_data (Tk, HK, D) e4m3, k_exp (HK, Tk) u8;
+           v_data token-transposed (HK, D, T_pad) e4m3, v_exp (HK, Tk) u8.
+    bf16:  q_data, k_data, v_data (T, H, D) as given; the *_exp are ignored.
+    per_token: (ks, eks, vts, evs) per-token copies for B_t=128's per-tile safeguard (causal), else None.
+    o (Tq, H, D), lse (H, Tq) fp32: outputs (pre-filled by the caller where rows see no key).
+    tiles: plan.tiles(128, "q", causal).
+    v_len: mxfp8: the written width of the token-transposed V (plan.pad_k[-1], the end of the last document's
+    padding). The quantizer leaves the tail of its T_pad-wide buffer uninitialized; a V^T tile that reaches
+    past v_len must read zeros there (TMA's out-of-bounds fill), never garbage: a NaN byte times P = 0 is NaN."""
+    Tq, H, D = q_data.shape
+    Tk, HK = k_data.shape[:2]
+    quant = recipe == "mxfp8"
+    cfg = dict(default_config(recipe, D), **(config or {}))
+    BN, STAGES = cfg["BLOCK_N"], cfg["STAGES"]
+    qd = _desc(q_data, (Tq, H * D), (H * D, 1), (64, D))
+    kd = _desc(k_data, (Tk, HK * D), (HK * D, 1), (BN, D))
+    if quant:
+        T_pad = v_data.shape[-1]
+        v_len = T_pad if v_len is None else v_len
+        vd = _desc(v_data, (HK * D, v_len), (T_pad, 1), (D, BN))
+        EQ, EK, EV = q_exp, k_exp, v_exp
+    else:
+        vd = _desc(v_data, (Tk, HK * D), (HK * D, 1), (BN, D))
+        EQ = EK = EV = lse  # unused
+    tile_safeguard = per_token is not None
+    if tile_safeguard:
+        ks, eks, vts, evs = per_token
+        ksd = _desc(ks, (Tk, HK * D), (HK * D, 1), (BN, D))
+        vsd = _desc(vts, (HK * D, v_len), (vts.shape[-1], 1), (D, BN))
+    else:
+        ksd, vsd, eks, evs = kd, vd, EK, EV
+    n = tiles.shape[0]
+    if n == 0:
+        return o, lse
+    _attn_fwd_hopper[(H, n)](qd, kd, vd, ksd, vsd, EQ, EK, EV, eks, evs, o, lse, tiles,
+                             softmax_scale * 1.4426950408889634, Tq, Tk, H, HK,
+                             D=D, BLOCK_N=BN, STAGES=STAGES, BLOCK_TOKENS=block_tokens, CAUSAL=causal, QUANT=quant,
+                             TILE_SAFEGUARD=tile_safeguard, OVERLAP=cfg["OVERLAP"], PINGPONG=cfg["PINGPONG"],
+                             num_warps=4, maxnreg=168)
+    return o, lse
