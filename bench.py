@@ -9,6 +9,7 @@ on this machine, the quantizer's bandwidth, and accuracy per recipe.
     python bench.py --audit      # the table of who leaks: flamia.audit_causality on every attention here
     python bench.py --tune       # kernel tile-configuration sweep
     python bench.py --block-tokens  # mxfp8 fwd / bwd speed per block_tokens on the --quick workloads
+    python bench.py --sm100      # no GPU needed: what each kernel compiles to for Blackwell (sm_100a)
 
 FLOP convention (Triton tutorial / DESIGN.md): fwd = 4 * H * D * sum_docs L(L+1)/2 for causal
 documents, bwd = 2.5 x fwd, fwd+bwd = 3.5 x fwd. Times are medians of triton.testing.do_bench on
@@ -231,6 +232,8 @@ def bench_attention(args):
                  "flamia-bf16": lambda: flamia_impl("bf16", lens),
                  "flamia-nvfp4 (FP4 emulated on Hopper)": lambda: flamia_impl("nvfp4", lens),
                  "flamia-mxfp4 (FP4 emulated on Hopper)": lambda: flamia_impl("mxfp4", lens),
+                 "flamia-mxfp8 gluon (Hopper)": lambda: flamia_impl("mxfp8", lens, backend="gluon"),
+                 "flamia-bf16 gluon (Hopper)": lambda: flamia_impl("bf16", lens, backend="gluon"),
                  "sdpa-cudnn": lambda: sdpa_impl(lens), "varlen_attn": lambda: varlen_impl(lens),
                  "flex": lambda: flex_impl(lens)}
         if args.naive_plan:
@@ -401,7 +404,7 @@ def bench_tune(args):
         for recipe in ("mxfp8", "bf16"):
             fn = flamia_impl(recipe, lens)
             for cfg in fwd_cfgs:
-                flamia._fwd_config = lambda D, recipe, cfg=cfg: cfg
+                flamia._fwd_config = lambda D, recipe, backend=None, cfg=cfg: cfg
                 try:
                     ms = do_bench(lambda: fn(q, k, v))
                     rows.append(dict(workload=name, recipe=recipe, kind="fwd", cfg=cfg, ms=ms, tflops=flops / ms / 1e9))
@@ -412,7 +415,7 @@ def bench_tune(args):
             qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
             o = fn(qq, kk, vv)
             for cfg in bwd_cfgs:
-                flamia._bwd_config = lambda D, cfg=cfg: cfg
+                flamia._bwd_config = lambda D, blackwell=False, cfg=cfg: cfg
                 try:
                     ms = do_bench(lambda: torch.autograd.backward(o, do, retain_graph=True))
                     rows.append(dict(workload=name, recipe=recipe, kind="bwd", cfg=cfg, ms=ms,
@@ -527,6 +530,121 @@ def bench_audit(args):
     return rows
 
 
+# ---- Blackwell, offline: what a B200 would execute, without a GPU (triton >= 3.9 ships its ptxas) ----
+# flamia's own launch code runs on CPU tensors with every kernel launch recorded instead of run; each
+# recorded launch then goes through the launcher's binder (the signature, constexprs and alignment a
+# real launch would specialize on) and triton.compile for GPUTarget("cuda", 100, 32). The data are
+# garbage (nothing runs), which compilation does not care about. Must run without TRITON_INTERPRET.
+def sm100_configs():
+    """(name, kind, recipe, backend, D, block_tokens): causal; the backward of mxfp8 runs the bf16
+    kernels on dequantized operands, with or without the safeguard's per-token copies."""
+    out = []
+    for D in (128, 64):
+        for recipe, backend in (("mxfp8", "dot_scaled"), ("mxfp4", "dot_scaled"), ("bf16", "wgmma")):
+            for bt in ((1, 32, 128) if recipe != "bf16" else (1,)):
+                out += [(f"{kind}-{recipe}-bt{bt}-D{D}", kind, recipe, backend, D, bt) for kind in ("fwd", "bwd")]
+    return out
+
+
+def sm100_launches(kind, recipe, backend, D, block_tokens, T=512, H=2):
+    """[(kernel, args, kwargs)] of the attention kernels flamia launches for this configuration."""
+    from triton.runtime.jit import JITFunction
+    calls = []
+    run, is_blackwell = JITFunction.run, flamia._is_blackwell
+    JITFunction.run = lambda self, *args, grid, warmup, **kwargs: calls.append((self, args, kwargs))
+    flamia._is_blackwell = lambda x: True  # CPU tensors: take the Blackwell tiles anyway
+    try:
+        q, k, v, do = (torch.randn(T, H, D, dtype=torch.bfloat16) for _ in range(4))
+        plan = flamia.Plan(torch.tensor([0, T], dtype=torch.int32))
+        r = flamia._RECIPES[recipe]
+        copies = flamia._token_copies(r, True, True, block_tokens)
+        ops = (flamia._quantize_operands(q, k, v, plan, r, block_tokens, copies) if r.quantized else
+               flamia._empty_operands(flamia._operand_layout(r, copies, T, T, H, H, D, 128), q))
+        kw = dict(causal=True, softmax_scale=D ** -0.5, recipe=recipe, block_tokens=block_tokens, safeguard=True)
+        o, lse = flamia._attn_forward(q, k, v, ops, plan, backend=backend, **kw)
+        if kind == "bwd":
+            calls.clear()
+            flamia._attn_backward(do, q, k, v, o, lse, ops, plan, **kw)
+    finally:
+        JITFunction.run, flamia._is_blackwell = run, is_blackwell
+    names = ("_attn_fwd",) if kind == "fwd" else ("_attn_bwd_dkdv", "_attn_bwd_dq")
+    return [c for c in calls if c[0].__name__ in names]
+
+
+def sm100_compile(fn, args, kwargs):
+    """The launcher's own path (binder -> _pack_args -> ASTSource -> compile), for sm_100a."""
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+    kwargs = dict(kwargs, debug=knobs.runtime.debug or fn.debug,
+                  instrumentation_mode=knobs.compilation.instrumentation_mode)
+    if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):
+        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    target = GPUTarget("cuda", 100, 32)
+    backend = make_backend(target)
+    bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def sm100_facts(ck):
+    """What the compiled kernel asks the hardware to do: MMA kinds (PTX), spills (ptxas -v with the
+    flags Triton's make_cubin uses), TMA, byte-wide loads, warp-specialized partitions (TTGIR)."""
+    import re
+    import subprocess
+    import tempfile
+    ptx, ttgir = ck.asm["ptx"], ck.asm.get("ttgir", "")
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptxas = next(os.path.join(bin_dir, n) for n in ("ptxas-blackwell", "ptxas")
+                 if os.path.exists(os.path.join(bin_dir, n)))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        fmad = [] if ck.metadata.enable_fp_fusion else ["--fmad=false"]
+        log = subprocess.run([ptxas, "-lineinfo", *fmad, "-v", "--regAllocOptLevel=2", "--gpu-name=sm_100a",
+                              path, "-o", path + ".o"], capture_output=True, text=True).stderr
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    regs = re.findall(r"Used (\d+) registers", log)
+    mma = re.findall(r"tcgen05\.mma(?:\.[\w:]+)*", ptx)
+    return dict(mma_kinds=sorted({m.split("kind::")[1] for m in mma if "kind::" in m}), n_mma=len(mma),
+                n_block_scaled=sum("block_scale" in m for m in mma),
+                mma_sync=len(re.findall(r"\bmma\.sync\.aligned", ptx)), wgmma="wgmma.mma_async" in ptx,
+                regs=int(regs[-1]) if regs else None,
+                spill_bytes=sum(int(a) + int(b) for a, b in spills) if spills else None,
+                tma="cp.async.bulk.tensor" in ptx,
+                byte_loads=len(re.findall(r"ld\.global(?:\.\w+)*\.(?:u8|b8|s8)\b", ptx)),
+                warp_specialized="ttg.warp_specialize" in ttgir,
+                partitions=1 + len(re.findall(r"partition\d+\(", ttgir)))
+
+
+def bench_sm100(args):
+    """Compile every attention kernel configuration for sm_100a and tabulate what it executes."""
+    rows = []
+    for name, kind, recipe, backend, D, bt in sm100_configs():
+        if args.workloads and not any(name.startswith(w) for w in args.workloads.split(",")):
+            continue
+        for fn, a, kw in sm100_launches(kind, recipe, backend, D, bt):
+            row = dict(config=name, kernel=fn.__name__, launch={k: v for k, v in kw.items()
+                                                                 if isinstance(v, (int, bool, str))})
+            t0 = time.time()
+            try:
+                row.update(sm100_facts(sm100_compile(fn, a, kw)))
+            except Exception as e:  # the compiler's refusal is a fact too
+                row["error"] = f"{type(e).__name__}: {str(e)[-1500:]}"
+            row["compile_s"] = round(time.time() - t0, 1)
+            rows.append(row)
+            L = row["launch"]
+            print(f"{name:20s} {fn.__name__:15s} tiles {L.get('BLOCK_M')}x{L.get('BLOCK_N')} "
+                  f"w{L.get('num_warps')} s{L.get('num_stages')}: " +
+                  (row["error"][:120] if "error" in row else
+                   f"MMA {','.join(row['mma_kinds'])} ({row['n_block_scaled']} block-scaled), {row['regs']} regs, "
+                   f"{row['spill_bytes']} B spilled, TMA {row['tma']}, {row['byte_loads']} byte loads, "
+                   f"{row['partitions']} partition(s)"), flush=True)
+    return rows
+
+
 def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -555,21 +673,24 @@ def main():
     ap.add_argument("--tune", action="store_true", help="sweep kernel tile configurations")
     ap.add_argument("--block-tokens", action="store_true", help="mxfp8 speed per block_tokens")
     ap.add_argument("--naive-plan", action="store_true", help="also run FLAMIA with tiles in document order")
+    ap.add_argument("--sm100", action="store_true", help="no GPU needed: compile every kernel for Blackwell "
+                    "(sm_100a) and print its MMA kinds, spills, TMA, partitions (--workloads filters configs)")
     ap.add_argument("--workloads", default="", help="comma-separated name prefixes of the attention workloads "
                     "to run, e.g. 1doc,gqa (default: all; names as printed in the table)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per implementation "
                     "(the median is reported; with an even count, the slower middle value)")
     ap.add_argument("--out", default="out", help="directory for JSON and PNG")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench.py needs a CUDA GPU")
+    modes = ("quant", "accuracy", "tune", "audit", "block_tokens", "sm100")
+    mode = next((m for m in modes if getattr(args, m)), "attention")
+    if mode != "sm100" and not torch.cuda.is_available():
+        raise SystemExit("bench.py needs a CUDA GPU (only --sm100 runs without one)")
     os.makedirs(args.out, exist_ok=True)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                date=time.strftime("%Y-%m-%d"))
+    meta = dict(gpu=torch.cuda.get_device_name() if mode != "sm100" else "none (compiled for sm_100a)",
+                torch=torch.__version__, triton=triton.__version__, date=time.strftime("%Y-%m-%d"))
     print(json.dumps(meta))
-    mode = next((m for m in ("quant", "accuracy", "tune", "audit", "block_tokens") if getattr(args, m)), "attention")
     rows = {"quant": bench_quant, "accuracy": bench_accuracy, "tune": bench_tune, "audit": bench_audit,
-            "block_tokens": bench_block_tokens, "attention": bench_attention}[mode](args)
+            "block_tokens": bench_block_tokens, "sm100": bench_sm100, "attention": bench_attention}[mode](args)
     with open(os.path.join(args.out, f"bench_{mode}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     if mode == "attention":

@@ -846,8 +846,17 @@ def _e8m0_blocks(e, D: tl.constexpr):
 def _load_keys(K, offs_n, kmask, HK, D: tl.constexpr):
     """A (BLOCK_N, D) tile of K (rows = document-local keys; K points at the document start and
     the head, rows are HK * D elements apart)."""
-    return tl.load(K + offs_n[:, None] * (HK * D) + tl.arange(0, D)[None, :], mask=kmask[:, None],
+    # one offset tensor, then one pointer add: a pointer tensor is 64-bit per element (registers)
+    return tl.load(K + (offs_n[:, None] * (HK * D) + tl.arange(0, D)[None, :]), mask=kmask[:, None],
                    other=0.0)
+
+
+@triton.jit
+def _load_values(V, v_offs, vmask, MASKED: tl.constexpr):
+    """A V tile; unmasked tiles lie inside the document's (padded) range and need no mask."""
+    if MASKED:
+        return tl.load(V + v_offs, mask=vmask, other=0.0)
+    return tl.load(V + v_offs)
 
 
 @triton.jit
@@ -907,9 +916,9 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n
     # s = Q K^T with K's (column) scales; Q's row factor qscale (> 0) is applied inside the exp2's
     # FMA below, after the row max: max_j(s * qscale) = qscale * max_j(s) exactly.
     if K_FORMAT == "fp4_packed":  # E4M3 x E2M1, both with E8M0 block scales, in the tensor core
-        k = tl.load(K + offs_n[:, None] * (HK * D // 2) + tl.arange(0, D // 2)[None, :],
+        k = tl.load(K + (offs_n[:, None] * (HK * D // 2) + tl.arange(0, D // 2)[None, :]),
                     mask=kmask[:, None], other=0)
-        k_e8 = tl.load(KB + offs_n[:, None] * (HK * D // 32) + tl.arange(0, D // 32)[None, :],
+        k_e8 = tl.load(KB + (offs_n[:, None] * (HK * D // 32) + tl.arange(0, D // 32)[None, :]),
                        mask=kmask[:, None], other=127)
         s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), k_e8, "e2m1") * ek[None, :]
     else:
@@ -949,10 +958,6 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n
     # still a pipelined 16-byte async copy (a per-key mask would make it a synchronous byte load).
     v_offs = tl.arange(0, D)[None, :] * stride_vd + offs_n[:, None] * stride_vt
     vmask = (offs_n < v_len)[:, None]
-    if MASKED:
-        v = tl.load(V + v_offs, mask=vmask, other=0.0)
-    else:
-        v = tl.load(V + v_offs)
     if QUANT:
         if MASKED:  # ref_i: the max of V's exponents over the keys each row SEES
             ev_seen = tl.where(visible, ev[None, :], -1000)
@@ -980,6 +985,7 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n
             l_i = l_i * alpha + tl.sum(p_ref, 1) * _exp2_int(ref_new + 119)  # x 2^(ref - 8)
         # one exp2 per row rescales for both the new softmax max and the new reference exponent
         acc = acc * tl.exp2((m_i - m_use) + (ref_i - ref_new).to(tl.float32))[:, None]
+        v = _load_values(V, v_offs, vmask, MASKED)  # loaded late: a shorter live range
         if ONE_SCALE:
             acc = tl.dot(p_v.to(tl.float8e4nv), v, acc)
         elif PAIR_SAFEGUARD:
@@ -994,6 +1000,7 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n
     else:
         p = tl.exp2(s * qscale[:, None] - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_values(V, v_offs, vmask, MASKED)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, l_i, m_new, ref_i, ek_next, ev_next
 
@@ -1081,11 +1088,16 @@ def _attn_fwd(
     tl.store(LSE + h * T_Q + offs_m, lse, mask=qmask)
 
 
-def _fwd_config(D: int, recipe: str):
+def _fwd_config(D: int, recipe: str, backend: str = "wgmma"):
     """(BLOCK_M, BLOCK_N, MASKED_N, num_warps, num_stages) of the forward (`bench.py --tune` on the
     H200, D=128): fp8 wants long key tiles (P V contracts over BLOCK_N) and one warpgroup per 64
     query rows; narrow diagonal tiles help packed documents. The FP4 emulation (bf16 Q K^T, fp8 P V)
-    is not tuned for speed; D=64 reuses D=128's choice."""
+    is not tuned for speed; D=64 reuses D=128's choice. Blackwell (backend="dot_scaled", mxfp8):
+    Triton lowers tl.dot_scaled to the MX block-scaled MMA only for >= 128 query rows (with 64 it
+    decomposes Q K^T into a bf16 MMA on K upcast in registers), and 8 warps hold 128 rows without
+    spills (`bench.py --sm100`). The key tiles, which set where P is rounded, stay as they are."""
+    if recipe == "mxfp8" and backend == "dot_scaled":
+        return 128, 128, 32, 8, 3
     if recipe == "mxfp8":
         return 64, 128, 32, 4, 3
     if _RECIPES[recipe].k_fp4:
@@ -1132,7 +1144,7 @@ def _attn_forward(q, k, v, ops, plan: Plan, *, causal, softmax_scale, recipe, bl
         return _attn_forward_gluon(q, k, v, ops, plan, o, lse, causal=causal,
                                    softmax_scale=softmax_scale, recipe=recipe,
                                    block_tokens=block_tokens, safeguard=safeguard)
-    BLOCK_M, BLOCK_N, MASKED_N, warps, stages = _fwd_config(D, recipe)
+    BLOCK_M, BLOCK_N, MASKED_N, warps, stages = _fwd_config(D, recipe, backend)
     mode = _safeguard_mode(plan, r, causal, safeguard, block_tokens, BLOCK_M, BLOCK_N, MASKED_N)
     dot_scaled = backend == "dot_scaled"
     if not r.quantized:
@@ -1483,11 +1495,18 @@ def _attn_bwd_dq(
     tl.store(DQ + ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=qmask[:, None])
 
 
-def _bwd_config(D: int):
+def _bwd_config(D: int, blackwell: bool = False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel (query x key tiles) and of the
-    dQ kernel (`bench.py --tune` on the H200, D=128): bigger query tiles in dK/dV spill
-    registers."""
+    dQ kernel (`bench.py --tune` on the H200, D=128): bigger query tiles in dK/dV spill registers.
+    On Blackwell (sm_100+) the H200's dK/dV tiles spill (tcgen05's software pipeline keeps more
+    state live): 64 keys, one stage (`bench.py --sm100`; tcgen05 needs >= 64 rows)."""
+    if blackwell:
+        return (32, 64, 8, 1), (128, 64, 8, 3)
     return (32, 128, 8, 3), (128, 64, 8, 3)
+
+
+def _is_blackwell(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 10
 
 
 def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, *, causal, softmax_scale, recipe,
@@ -1518,7 +1537,7 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, *, causal, softmax_scal
                                                                    device=q.device)
     init = torch.zeros if plan.rows_without_keys[causal] else torch.empty
     dq = init(Tq, H, D, dtype=q.dtype, device=q.device)
-    (BM1, BN1, w1, s1), (BM2, BN2, w2, s2) = _bwd_config(D)
+    (BM1, BN1, w1, s1), (BM2, BN2, w2, s2) = _bwd_config(D, _is_blackwell(q))
     mode_dkdv = _safeguard_mode(plan, r, causal, safeguard, block_tokens, BM1, BN1)
     mode_dq = _safeguard_mode(plan, r, causal, safeguard, block_tokens, BM2, BN2)
     if mode_dq == "pair" and D > 64:  # the per-pair dQ loop streams K, V and their copies: three
@@ -1748,8 +1767,7 @@ def _default_backend(x: torch.Tensor, recipe: str) -> str:
     # Blackwell (sm_100+) applies E8M0 scales in its tensor cores; Hopper has plain fp8 wgmma, where
     # tl.dot_scaled is emulated through bf16 (README). nvfp4's E4M3 block scales are no
     # tl.dot_scaled input: it stays the exact bf16 emulation everywhere.
-    blackwell = x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 10
-    if _RECIPES[recipe].dot_scaled and blackwell:
+    if _RECIPES[recipe].dot_scaled and _is_blackwell(x):
         return "dot_scaled"
     return "wgmma"
 
