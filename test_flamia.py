@@ -2120,7 +2120,10 @@ BW_CONFIGS = ["fwd-mxfp8-bt1-D128", "fwd-mxfp8-bt32-D128", "fwd-mxfp8-bt128-D128
 
 
 def _blackwell_toolchain():
-    """None if this triton can compile for sm_100a offline, else why not."""
+    """None if this triton can compile for sm_100a offline, else why not. The facts below are those
+    of triton 3.9's Blackwell compiler (the CI's): older ones lower tl.dot_scaled differently."""
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+        return f"the facts are pinned for triton >= 3.9's sm_100a compiler, found {triton.__version__}"
     try:
         from triton.backends.nvidia.compiler import get_ptxas
         version = subprocess.run([get_ptxas(100).path, "--version"], capture_output=True, text=True).stdout
