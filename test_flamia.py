@@ -901,9 +901,10 @@ def test_plan_device_cuda_means_current_gpu():
 #   "cpu": Triton 3.9's interpreter with conftest.py's numerics fixes (torch 2.13; fp32 accumulation):
 #          every case of FWD_CASES / GRAD_CASES and sections 8-9's other layouts (tile-scale path, cross
 #          attention, safeguard layouts, rotate_qk), plus seeds 100 and 200 on LENS_FWD.
-#   "cuda": provisional: the interpreter's numbers, plus the allowances known from the H200 (Hopper's fp8
-#          MMA accumulation: lse_fp8_mma, dot_scaled_vs_wgmma); replace them by the H200's [measured]
-#          lines times the same margin.
+#   "cuda": the H200 (triton 3.6), from this file's [measured] lines (pytest -s): O, O gain and the
+#          gradients measured within the interpreter's maxima (O 2.31e-2, gain 8.2e-4, grad 9.6e-3,
+#          grad_same 2.48e-3), LSE 9.5e-7 -- except where Hopper's fp8 MMA accumulates (lse_fp8_mma,
+#          dot_scaled_vs_wgmma), so the same table with those two allowances.
 # The checks, and what limits them (measured values: interpreter):
 #   lse: max |LSE - oracle's LSE|. LSE depends only on S, which the kernel computes from exactly the
 #        oracle's quantized operands: only fp32 summation order differs. Measured 7e-7..1.9e-6 (1-2 fp32
@@ -945,7 +946,6 @@ _CPU_TOL = dict(
 )
 _CUDA_TOL = dict(
     _CPU_TOL,
-    lse=_per_d(1e-4),  # provisional
     # Hopper's fp8 tensor cores (mxfp8, backend="wgmma") accumulate Q K^T with reduced precision (~14
     # mantissa bits, not fp32; DeepSeek-V3 tech report, 3.3.2): S -- hence LSE -- moves by up to ~6e-4
     # (measured on H200 at D=128).
@@ -1615,7 +1615,7 @@ def test_gluon_deterministic_and_differentiable():
     xf = [x.detach().float().requires_grad_() for x in (q, k, v)]
     flamia.reference_attention(*xf, cu_of(lens), recipe="mxfp8").backward(do.float())
     for name, x, r in zip("qkv", (q, k, v), xf):
-        assert_rel(x.grad, r.grad, GRAD_TOL["mxfp8"], f"d{name} through the Gluon forward")
+        assert_rel(x.grad, r.grad, tol("grad", "mxfp8", 128), f"d{name} through the Gluon forward")
 
 
 @needs_gluon
@@ -2089,6 +2089,8 @@ def test_varlen_adapter_audits_batched_callables(cpu_training):
 
 
 
+@pytest.mark.skipif(tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 8),
+                    reason="FLAMIA's kernels need triton >= 3.8 in the interpreter (README)")
 def test_interpreter_numerics_fixed_outside_pytest():
     """TRITON_INTERPRET=1 in a plain script (no conftest): flamia fixes the interpreter's numerics
     itself, so the bf16 kernels match the oracle there too (unfixed, the error is ~1e9)."""
