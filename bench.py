@@ -404,7 +404,7 @@ def bench_tune(args):
         for recipe in ("mxfp8", "bf16"):
             fn = flamia_impl(recipe, lens)
             for cfg in fwd_cfgs:
-                flamia._fwd_config = lambda D, recipe, backend=None, cfg=cfg: cfg
+                flamia._fwd_config = lambda D, recipe, blackwell=False, cfg=cfg: cfg
                 try:
                     ms = do_bench(lambda: fn(q, k, v))
                     rows.append(dict(workload=name, recipe=recipe, kind="fwd", cfg=cfg, ms=ms, tflops=flops / ms / 1e9))

@@ -1088,16 +1088,18 @@ def _attn_fwd(
     tl.store(LSE + h * T_Q + offs_m, lse, mask=qmask)
 
 
-def _fwd_config(D: int, recipe: str, backend: str = "wgmma"):
+def _fwd_config(D: int, recipe: str, blackwell: bool = False):
     """(BLOCK_M, BLOCK_N, MASKED_N, num_warps, num_stages) of the forward (`bench.py --tune` on the
     H200, D=128): fp8 wants long key tiles (P V contracts over BLOCK_N) and one warpgroup per 64
     query rows; narrow diagonal tiles help packed documents. The FP4 emulation (bf16 Q K^T, fp8 P V)
-    is not tuned for speed; D=64 reuses D=128's choice. Blackwell (backend="dot_scaled", mxfp8):
-    Triton lowers tl.dot_scaled to the MX block-scaled MMA only for >= 128 query rows (with 64 it
-    decomposes Q K^T into a bf16 MMA on K upcast in registers), and 8 warps hold 128 rows without
-    spills (`bench.py --sm100`). The key tiles, which set where P is rounded, stay as they are."""
-    if recipe == "mxfp8" and backend == "dot_scaled":
-        return 128, 128, 32, 8, 3
+    is not tuned for speed; D=64 reuses D=128's choice. Blackwell (tl.dot_scaled on sm_100+): Triton
+    lowers tl.dot_scaled to the MX block-scaled MMA only for >= 128 query rows (with 64 it decomposes
+    Q K^T into a bf16 MMA on K upcast in registers), and these are the widest key tiles with which 128
+    rows and 8 warps compile without register spills (`bench.py --sm100`; not timed on a GPU)."""
+    if blackwell and recipe == "mxfp8":
+        return 128, 64, 32, 8, 3
+    if blackwell and recipe == "mxfp4":
+        return 128, 32, 32, 8, 3
     if recipe == "mxfp8":
         return 64, 128, 32, 4, 3
     if _RECIPES[recipe].k_fp4:
@@ -1144,9 +1146,9 @@ def _attn_forward(q, k, v, ops, plan: Plan, *, causal, softmax_scale, recipe, bl
         return _attn_forward_gluon(q, k, v, ops, plan, o, lse, causal=causal,
                                    softmax_scale=softmax_scale, recipe=recipe,
                                    block_tokens=block_tokens, safeguard=safeguard)
-    BLOCK_M, BLOCK_N, MASKED_N, warps, stages = _fwd_config(D, recipe, backend)
-    mode = _safeguard_mode(plan, r, causal, safeguard, block_tokens, BLOCK_M, BLOCK_N, MASKED_N)
     dot_scaled = backend == "dot_scaled"
+    BLOCK_M, BLOCK_N, MASKED_N, warps, stages = _fwd_config(D, recipe, dot_scaled and _is_blackwell(q))
+    mode = _safeguard_mode(plan, r, causal, safeguard, block_tokens, BLOCK_M, BLOCK_N, MASKED_N)
     if not r.quantized:
         k_format, strides_v = "bf16", (D, 1, HK * D)  # (T, H, D)
         q, k, v = (x.contiguous() for x in (q, k, v))
@@ -1176,10 +1178,10 @@ def _attn_forward(q, k, v, ops, plan: Plan, *, causal, softmax_scale, recipe, bl
     return o, lse
 
 
-# The Hopper-specific forward (backend="gluon"): flamia_hopper.py, an FA3-style warp-specialized Gluon
-# kernel (TMA producer warp, two consumer warpgroups, async wgmma) on the same operands, the same
-# function and the same safeguard, for bf16 and mxfp8 on sm_90 with triton 3.6. It is optional: where
-# it is absent or cannot run, backend="gluon" is refused with the reason, never silently replaced.
+# The Hopper-specific forward (backend="gluon"): flamia_hopper.py, an FA3-style warp-specialized
+# Gluon kernel (TMA producer warp, two consumer warpgroups, async wgmma) on the same operands, with
+# the same function and safeguard, for bf16 and mxfp8 on sm_90 with triton 3.6. It is optional:
+# where it is absent or cannot run, backend="gluon" is refused with the reason, never replaced.
 _GLUON_IMPORT_ERROR = None
 try:
     import flamia_hopper
@@ -1189,7 +1191,7 @@ except Exception as e:  # absent, or this triton's Gluon API differs from the on
 
 
 def gluon_unavailable_reason():
-    """None where backend="gluon" runs (flamia_hopper.py, triton 3.6, an sm_90 GPU), else why not."""
+    """None where backend="gluon" runs (flamia_hopper.py, triton 3.6, sm_90), else why not."""
     return _GLUON_IMPORT_ERROR if flamia_hopper is None else flamia_hopper.unavailable_reason()
 
 

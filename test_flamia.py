@@ -2183,14 +2183,9 @@ def test_blackwell_forward_uses_block_scaled_mma(bw_facts, config):
         assert f["n_block_scaled"] > base["n_block_scaled"], "the safeguard's MMAs are not block-scaled"
 
 
-FWD_SPILLS = pytest.mark.xfail(strict=True, reason="not yet: the forward spills registers on sm_100a at 128 x "
-                               "128 tiles and 8 warps (the 128-row tiles the block-scaled MMA needs)")
-
-
 @needs_bw
 @pytest.mark.parametrize("config,kernel", [
-    pytest.param(c, k, marks=FWD_SPILLS if c.startswith("fwd-mx") else (), id=f"{c}-{k}")
-    for c in BW_CONFIGS for k in (("_attn_fwd",) if c.startswith("fwd") else ("_attn_bwd_dkdv", "_attn_bwd_dq"))])
+    (c, k) for c in BW_CONFIGS for k in (("_attn_fwd",) if c.startswith("fwd") else ("_attn_bwd_dkdv", "_attn_bwd_dq"))])
 def test_blackwell_no_register_spills(bw_facts, config, kernel):
     """Every kernel fits the register file (ptxas -v with Triton's flags: 0 bytes spilled) and runs
     its MMAs on tcgen05 (no mma.sync fallback)."""
@@ -2223,25 +2218,34 @@ def test_blackwell_forward_warp_specialized(bw_facts):
     assert f["warp_specialized"] and f["partitions"] > 1, "one partition: " + f["what"]
 
 
-@pytest.mark.parametrize("recipe,bt", [("mxfp8", 32), ("mxfp8", 128), ("mxfp4", 32)])
+@pytest.mark.skipif(DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 10,
+                    reason="the Blackwell tiles run on Blackwell GPUs and, for this check, in the interpreter")
+@pytest.mark.parametrize("recipe,bt", [("mxfp8", 1), ("mxfp8", 32), ("mxfp8", 128), ("mxfp4", 32)])
 def test_blackwell_tiles_compute_the_same_function(monkeypatch, recipe, bt):
-    """The Blackwell tile configurations (128-row forward tiles for dot_scaled, 64-key single-stage
-    dK/dV tiles) change the function by nothing but fp32 summation order: forward and gradients with
-    them vs the default tiles (the interpreter runs both)."""
+    """The Blackwell tile configurations (128-row forward tiles for tl.dot_scaled, narrower key tiles,
+    64-key single-stage dK/dV tiles) compute the same function as the default tiles: both meet the
+    oracle (section 8's checks), and they differ from each other only where P is rounded to E4M3 with
+    another running reference exponent (key tiles of another width; measured O rel L2 1.8e-3 mxfp8,
+    4.4e-3 mxfp4, gain < 1e-4) and in fp32 summation order (gradients: measured <= 2.0e-3)."""
     q, k, v = qkv(31 + bt, sum(LENS_FWD), D=64, requires_grad=True)
     do = randn(torch.Generator().manual_seed(32), sum(LENS_FWD), 4, 64)
+    kw = dict(recipe=recipe, block_tokens=bt, return_lse=True)
+    ro, rlse = flamia.reference_attention(q.detach(), k.detach(), v.detach(), cu_of(LENS_FWD), **kw)
+    f64 = flamia.attention_fp64(q.detach(), k.detach(), v.detach(), cu_of(LENS_FWD))
     out = {}
     for blackwell in (False, True):
         monkeypatch.setattr(flamia, "_is_blackwell", lambda x, b=blackwell: b)
-        fwd_config = flamia._fwd_config
-        if not blackwell:  # the default (Hopper) forward tiles for the dot_scaled backend too
-            monkeypatch.setattr(flamia, "_fwd_config", lambda D, r, backend="wgmma": fwd_config(D, r))
         for x in (q, k, v):
             x.grad = None
-        o, lse = api(q, k, v, LENS_FWD, recipe=recipe, block_tokens=bt, backend="dot_scaled", return_lse=True)
+        o, lse = api(q, k, v, LENS_FWD, backend="dot_scaled", **kw)
+        _check_forward(o.detach(), lse, ro, rlse, f64, recipe, f"{recipe} bt={bt} Blackwell tiles={blackwell}",
+                       backend="dot_scaled")
         o.backward(do)
-        out[blackwell] = [o, lse] + [x.grad.clone() for x in (q, k, v)]
-        monkeypatch.undo()
-    for name, a, b in zip(("O", "LSE", "dq", "dk", "dv"), out[True], out[False]):
-        assert_rel(a[a.isfinite()] if name == "LSE" else a, b[b.isfinite()] if name == "LSE" else b, 2e-3,
-                   f"{name}: Blackwell tiles vs default tiles")
+        out[blackwell] = [o.detach()] + [x.grad.clone() for x in (q, k, v)]
+    errs = [rel_l2(a, b) for a, b in zip(out[True], out[False])]
+    print(f"[measured] {recipe} bt={bt}: Blackwell vs default tiles rel L2 O {errs[0]:.2e} gain "
+          f"{gain(out[True][0], out[False][0]):+.1e}, dq/dk/dv {errs[1]:.1e} {errs[2]:.1e} {errs[3]:.1e}")
+    assert_rel(out[True][0], out[False][0], 6.5e-3, "O: Blackwell tiles vs default tiles")
+    assert abs(gain(out[True][0], out[False][0])) < 1e-3, "O: a systematic difference between the tile configs"
+    for name, a, b in zip(("dq", "dk", "dv"), out[True][1:], out[False][1:]):
+        assert_rel(a, b, 3e-3, f"{name}: Blackwell tiles vs default tiles")
