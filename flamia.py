@@ -1092,10 +1092,10 @@ def _fwd_config(D: int, recipe: str, blackwell: bool = False):
     """(BLOCK_M, BLOCK_N, MASKED_N, num_warps, num_stages) of the forward (`bench.py --tune` on the
     H200, D=128): fp8 wants long key tiles (P V contracts over BLOCK_N) and one warpgroup per 64
     query rows; narrow diagonal tiles help packed documents. The FP4 emulation (bf16 Q K^T, fp8 P V)
-    is not tuned for speed; D=64 reuses D=128's choice. Blackwell (tl.dot_scaled on sm_100+): Triton
-    lowers tl.dot_scaled to the MX block-scaled MMA only for >= 128 query rows (with 64 it decomposes
-    Q K^T into a bf16 MMA on K upcast in registers), and these are the widest key tiles with which 128
-    rows and 8 warps compile without register spills (`bench.py --sm100`; not timed on a GPU)."""
+    is not tuned for speed; D=64 reuses D=128's choice. Blackwell (tl.dot_scaled on sm_100+):
+    Triton lowers tl.dot_scaled to the MX block-scaled MMA only for >= 128 query rows (with 64 it
+    decomposes Q K^T into a bf16 MMA on K upcast in registers), and these are the widest key tiles
+    with which 128 rows and 8 warps compile without spills (`bench.py --sm100`; not timed on a GPU)."""
     if blackwell and recipe == "mxfp8":
         return 128, 64, 32, 8, 3
     if blackwell and recipe == "mxfp4":
@@ -1147,7 +1147,8 @@ def _attn_forward(q, k, v, ops, plan: Plan, *, causal, softmax_scale, recipe, bl
                                    softmax_scale=softmax_scale, recipe=recipe,
                                    block_tokens=block_tokens, safeguard=safeguard)
     dot_scaled = backend == "dot_scaled"
-    BLOCK_M, BLOCK_N, MASKED_N, warps, stages = _fwd_config(D, recipe, dot_scaled and _is_blackwell(q))
+    blackwell = dot_scaled and _is_blackwell(q)
+    BLOCK_M, BLOCK_N, MASKED_N, warps, stages = _fwd_config(D, recipe, blackwell)
     mode = _safeguard_mode(plan, r, causal, safeguard, block_tokens, BLOCK_M, BLOCK_N, MASKED_N)
     if not r.quantized:
         k_format, strides_v = "bf16", (D, 1, HK * D)  # (T, H, D)
