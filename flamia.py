@@ -1095,7 +1095,7 @@ def _fwd_config(D: int, recipe: str, blackwell: bool = False):
     is not tuned for speed; D=64 reuses D=128's choice. Blackwell (tl.dot_scaled on sm_100+):
     Triton lowers tl.dot_scaled to the MX block-scaled MMA only for >= 128 query rows (with 64 it
     decomposes Q K^T into a bf16 MMA on K upcast in registers), and these are the widest key tiles
-    with which 128 rows and 8 warps compile without spills (`bench.py --sm100`; not timed on a GPU)."""
+    with which 128 rows and 8 warps compile without spills (`bench.py --sm100`; never timed)."""
     if blackwell and recipe == "mxfp8":
         return 128, 64, 32, 8, 3
     if blackwell and recipe == "mxfp4":
