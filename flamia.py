@@ -15,6 +15,8 @@ here is derived from it, from public analyses of the low-precision leak (MatX, T
   6. public API       custom ops + autograd: flamia_attn_varlen_func, flamia_attn_func
   7. auditor          audit_causality: a bitwise leak test for any attention implementation
   8. interpreter      numerics fixes for Triton's CPU interpreter (applied whenever it runs)
+The optional companion flamia_hopper.py holds a Hopper-only warp-specialized Gluon forward
+(backend="gluon"); this file alone is complete.
 
 The leak, in one paragraph. A scale shared by several tokens is a function of all of them. If key
 j's quantized value depends on a later token j' of its block, a query i with j <= i < j' sees the
