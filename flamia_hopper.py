@@ -1,30 +1,33 @@
 """
-flamia_hopper: a FlashAttention-3-style Gluon forward for Hopper (sm_90, triton 3.6) that computes the
-function of flamia.py's forward for recipe="mxfp8" (block_tokens 1, and 128 with the per-tile safeguard)
-and recipe="bf16" (the same kernel without scales). flamia.py imports it when it is present and uses
-it for backend="gluon" (forward only; the backward stays flamia's). Tested on the H200 by
-test_flamia.py's GPU tests: oracle agreement, audit_causality, determinism.
+flamia_hopper: a FlashAttention-3-style Gluon forward for Hopper (sm_90, triton 3.6) that computes
+the function of flamia.py's forward for recipe="mxfp8" (block_tokens 1, and 128 with the per-tile
+safeguard) and recipe="bf16" (the same kernel without scales). flamia.py imports it when it is
+present and uses it for backend="gluon" (forward only; the backward stays flamia's). Tested on the
+H200 by test_flamia.py's GPU tests: oracle agreement, audit_causality, determinism.
 
 The schedule (one CTA = one query tile of 128 rows of one document x one query head, from the Plan)
 ----------------------------------------------------------------------------------------------------
-Three partitions (gl.warp_specialize), 9 warps, one CTA per SM. Launch with maxnreg=168: the 9 warps are
-padded to 3 warpgroups and 3 x 128 x 168 registers are redistributed by setmaxnreg to 240 / 240 / 24.
+Three partitions (gl.warp_specialize), 9 warps, one CTA per SM. Launch with maxnreg=168: the 9
+warps are padded to 3 warpgroups and 3 x 128 x 168 registers are redistributed by setmaxnreg to
+240 / 240 / 24.
 
-  loader   (1 warp, 24 regs)   Loads the tile's Q once (two 64-row TMA boxes, barrier q_bar[w] each),
-                               then walks the document's key tiles j = 0 .. n_kt-1 through a ring of
-                               STAGES shared-memory slots s = j % STAGES:
-                                 wait kv_empty[s]                  (both consumers are done with slot s)
-                                 TMA K_j   -> k_s[s],  arrives on k_ready[s]   (expect-tx barrier)
-                                 TMA V_j^T -> v_s[s],  arrives on v_ready[s]   (S can start before V lands)
-                                 mxfp8: load the tile's 2 x 128 scale bytes, store 2^(ek-127) (fp32) and
-                                 ev-127 (int32) to sk_s[s], ev_s[s], then arrive on sc_ready[s].
-                               The scale rows (H, T) of E8M0 bytes are not 16-byte aligned in general,
-                               so TMA cannot fetch them; this warp runs STAGES tiles ahead, which hides
-                               their latency (loaded in the consumers they sat on the critical path).
-                               B_t=128, causal: the masked (diagonal) tiles come from the per-token
-                               copies KS, VS, EKS, EVS instead (flamia's per-tile causal safeguard).
-  consumer w=0 (4 warps, 240)  one warpgroup = 64 query rows (rows 0..63 of the tile)
-  consumer w=1 (4 warps, 240)  rows 64..127. Both read the same slots: kv_empty is initialised with count 2.
+  loader (1 warp, 24 regs):
+      Loads the tile's Q once (two 64-row TMA boxes, barrier q_bar[w] each), then walks the
+      document's key tiles j = 0 .. n_kt-1 through a ring of STAGES shared-memory slots
+      s = j % STAGES:
+        wait kv_empty[s]                              (both consumers are done with slot s)
+        TMA K_j   -> k_s[s],  arrives on k_ready[s]   (expect-tx barrier)
+        TMA V_j^T -> v_s[s],  arrives on v_ready[s]   (S can start before V lands)
+        mxfp8: load the tile's 2 x 128 scale bytes, store 2^(ek-127) (fp32) and ev-127 (int32)
+               to sk_s[s], ev_s[s], then arrive on sc_ready[s].
+      The scale rows (H, T) of E8M0 bytes are not 16-byte aligned in general, so TMA cannot fetch
+      them; this warp runs STAGES tiles ahead, which hides their latency (loaded in the consumers
+      they sat on the critical path).
+      B_t=128, causal: the masked (diagonal) tiles come from the per-token copies KS, VS, EKS, EVS
+      instead (flamia's per-tile causal safeguard).
+  consumer w=0 (4 warps, 240 regs):  one warpgroup = 64 query rows (rows 0..63 of the tile)
+  consumer w=1 (4 warps, 240 regs):  rows 64..127. Both read the same slots: kv_empty is
+                                     initialised with count 2.
 
 Per consumer warpgroup, iteration j (FA3's intra-warpgroup pipelining, OVERLAP=True, the default):
     wait k_ready[j]                issue S_j  = Q K_j^T             (async wgmma, smem x smem)
@@ -32,34 +35,35 @@ Per consumer warpgroup, iteration j (FA3's intra-warpgroup pipelining, OVERLAP=T
     wgmma_wait(1) -> S_j           (PV_{j-1} is still running on the tensor core ...)
     wait sc_ready[j]; softmax(S_j) -> P_j, alpha_j   (... while the CUDA cores / MUFU do this)
     wgmma_wait(0) -> O;  arrive kv_empty[j-1];  O *= alpha_j
-Tile 0 (no P V yet) is peeled, then the tiles every row sees in full (no mask), then the masked ones
-(diagonal / document end), then the last O += P V and the epilogue. Only finished tensors (O, P, m, l,
-ref) cross iterations; async wgmma tokens never do. OVERLAP=False waits for both GEMMs before the
-softmax (then only the other warpgroup hides it).
+Tile 0 (no P V yet) is peeled, then the tiles every row sees in full (no mask), then the masked
+ones (diagonal / document end), then the last O += P V and the epilogue. Only finished tensors (O,
+P, m, l, ref) cross iterations; async wgmma tokens never do. OVERLAP=False waits for both GEMMs
+before the softmax (then only the other warpgroup hides it).
 
 PINGPONG=True (FA3's inter-warpgroup ping-pong): the two warpgroups take turns to ISSUE their GEMMs
 through two mbarriers: warpgroup w waits pp[w], issues S_j (+ PV_{j-1}), arrives on pp[1-w], so the
 tensor core receives WG0's GEMMs, then WG1's, ... and one warpgroup's softmax runs under the other's
-GEMMs. Warpgroup 0 starts (its first wait uses a fresh barrier's phase trick); both walk the same number
-of key tiles, so the turns pair up. It measured no faster than the default on the H200, so it is off.
+GEMMs. Warpgroup 0 starts (its first wait uses a fresh barrier's phase trick); both walk the same
+number of key tiles, so the turns pair up. It measured no faster than the default on the H200, so
+it is off.
 
 Where the scales enter (MXFP8; the numerics of flamia's _attn_fwd_step, per key, B_t=1 or 128):
-    s     = (Q8 K8^T)[i, j] * 2^(ek_j - 127)                      column scale on the fp32 S (1 FMUL)
+    s     = (Q8 K8^T)[i, j] * 2^(ek_j - 127)                    column scale on the fp32 S (1 FMUL)
     m_i   = max(m_i, rowmax(s) * qscale_i)     qscale_i = 2^(eq_i - 127) * softmax_scale * log2(e)
-    ref_i = max(ref_i, max ev_j over the keys row i SEES)         (visible keys only: no future leak)
-    p_r   = exp2(s * qscale_i - m_i - (ref_i - 8))                row part of V's scale in the offset
-    l_i   = l_i * exp2(m_old - m_i) + sum_j p_r * 2^(ref_i - 8)   l in real units
-    P8    = E4M3(p_r * 2^ev_j)  (<= 2^8, never saturates)         V's per-key scale folded into P
+    ref_i = max(ref_i, max ev_j over the keys row i SEES)       (visible keys only: no future leak)
+    p_r   = exp2(s * qscale_i - m_i - (ref_i - 8))              row part of V's scale in the offset
+    l_i   = l_i * exp2(m_old - m_i) + sum_j p_r * 2^(ref_i - 8) l in real units
+    P8    = E4M3(p_r * 2^ev_j)  (<= 2^8, never saturates)       V's per-key scale folded into P
     O    += P8 @ V8^T-tile     O in units of 2^(ref_i - 8), rescaled by exp2(dm + dref) per row.
 
 Packed documents: TMA boxes start at any token row. Rows of a K box past the document end belong to
 the next document (or are zero-filled past the tensor end): they get -inf in S, exactly as in the tl
 kernel, so P is exactly 0 there and the V columns they meet contribute 0 * finite = 0. The
 token-transposed V's descriptor ends at the last document's padded end (v_len = plan.pad_k[-1]): the
-quantizer leaves the rest of its buffer uninitialized, and a NaN byte there would give 0 * NaN = NaN
-A NaN inside the next document's V still reaches this tile through
-0 * NaN: flamia's documented caveat for non-finite inputs (check_finite rejects them). Q rows past the
-document end are computed and never stored (masked stores of O and LSE).
+quantizer leaves the rest of its buffer uninitialized, and a NaN byte there would give
+0 * NaN = NaN. A NaN inside the next document's V still reaches this tile through 0 * NaN: flamia's
+documented caveat for non-finite inputs (check_finite rejects them). Q rows past the document end
+are computed and never stored (masked stores of O and LSE).
 
 Limits: D in {64, 128}; B_t in {1, 128} (128 causal only where flamia's _tile_safeguard holds for
 128-wide tiles); B_t = 32/64 causal (per-pair safeguard) stay on flamia's tl kernel; bf16 inputs
@@ -72,13 +76,15 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (tma, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
 
 def unavailable_reason():
     """None where the Gluon forward can run (triton 3.6, an sm_90 GPU), else why not."""
     if not triton.__version__.startswith("3.6"):
-        return f"flamia_hopper.py is written for triton 3.6 (Gluon's API moves), found {triton.__version__}"
+        return (f"flamia_hopper.py is written for triton 3.6 (Gluon's API moves), "
+                f"found {triton.__version__}")
     if not torch.cuda.is_available():
         return "no CUDA device"
     if torch.cuda.get_device_capability()[0] != 9:
@@ -101,7 +107,8 @@ def _mma_layout(dtype, N):
 
 @gluon.constexpr_function
 def _p_layout(parent, dtype):  # P as the register (A) operand of P V
-    return gl.DotOperandLayout(operand_index=0, parent=parent, k_width=32 // dtype.primitive_bitwidth)
+    return gl.DotOperandLayout(operand_index=0, parent=parent,
+                               k_width=32 // dtype.primitive_bitwidth)
 
 @gluon.jit
 def _exp2_int(e):
@@ -109,11 +116,14 @@ def _exp2_int(e):
     return (e << 23).to(gl.float32, bitcast=True)
 
 @gluon.jit
-def _stage_scales(EK, EV, EKS, EVS, sk_slot, ev_slot, hk, T_K, n0, kd_end, per_token, BLOCK_N: gl.constexpr):
-    """Loader: the key tile's scales into its ring slot, ready for the softmax (2^(ek-127) fp32, ev-127 int32)."""
+def _stage_scales(EK, EV, EKS, EVS, sk_slot, ev_slot, hk, T_K, n0, kd_end, per_token,
+                  BLOCK_N: gl.constexpr):
+    """Loader: the key tile's scales into its ring slot, ready for the softmax (2^(ek-127) fp32,
+    ev-127 int32)."""
     sl: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
     offs = n0 + gl.arange(0, BLOCK_N, layout=sl)
-    km = offs < kd_end  # past the document: ek -> 2^0, ev -> -126 (never raises the reference exponent)
+    # past the document: ek -> 2^0, ev -> -126 (never raises the reference exponent)
+    km = offs < kd_end
     if per_token:  # diagonal tiles of B_t=128: the per-token copies
         ek = gl.load(EKS + hk * T_K + offs, mask=km, other=127)
         ev = gl.load(EVS + hk * T_K + offs, mask=km, other=1)
@@ -127,13 +137,15 @@ def _stage_scales(EK, EV, EKS, EVS, sk_slot, ev_slot, hk, T_K, n0, kd_end, per_t
 # loader partition (1 warp): TMA into the ring
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, ks_desc, vs_desc, q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready,
-            sc_ready, kv_empty, EK, EV, EKS, EVS, T_K, q_start, h, hk, kd_start, kd_end, v_base, n_kt, n_unmasked,
+def _loader(q_desc, k_desc, v_desc, ks_desc, vs_desc, q_s, k_s, v_s, sk_s, ev_s, q_bar,
+            k_ready, v_ready, sc_ready, kv_empty, EK, EV, EKS, EVS, T_K, q_start, h, hk,
+            kd_start, kd_end, v_base, n_kt, n_unmasked,
             D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QUANT: gl.constexpr,
             TILE_SAFEGUARD: gl.constexpr):
     for w in gl.static_range(2):
         mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_start + w * 64, h * D], q_bar.index(w), q_s.index(w))
+        tma.async_copy_global_to_shared(q_desc, [q_start + w * 64, h * D], q_bar.index(w),
+                                        q_s.index(w))
     for j in range(n_kt):
         s = j % STAGES
         mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)  # fresh slots pass at once
@@ -143,21 +155,28 @@ def _loader(q_desc, k_desc, v_desc, ks_desc, vs_desc, q_s, k_s, v_s, sk_s, ev_s,
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
         if TILE_SAFEGUARD:
             if j >= n_unmasked:  # diagonal tiles of B_t=128: the per-token copies
-                tma.async_copy_global_to_shared(ks_desc, [n0, hk * D], k_ready.index(s), k_s.index(s))
-                tma.async_copy_global_to_shared(vs_desc, [hk * D, v0], v_ready.index(s), v_s.index(s))
+                tma.async_copy_global_to_shared(ks_desc, [n0, hk * D], k_ready.index(s),
+                                                k_s.index(s))
+                tma.async_copy_global_to_shared(vs_desc, [hk * D, v0], v_ready.index(s),
+                                                v_s.index(s))
             else:
-                tma.async_copy_global_to_shared(k_desc, [n0, hk * D], k_ready.index(s), k_s.index(s))
-                tma.async_copy_global_to_shared(v_desc, [hk * D, v0], v_ready.index(s), v_s.index(s))
+                tma.async_copy_global_to_shared(k_desc, [n0, hk * D], k_ready.index(s),
+                                                k_s.index(s))
+                tma.async_copy_global_to_shared(v_desc, [hk * D, v0], v_ready.index(s),
+                                                v_s.index(s))
         else:
             tma.async_copy_global_to_shared(k_desc, [n0, hk * D], k_ready.index(s), k_s.index(s))
             if QUANT:  # V token-transposed (HK*D, T_pad): box [D, BLOCK_N]
-                tma.async_copy_global_to_shared(v_desc, [hk * D, v0], v_ready.index(s), v_s.index(s))
+                tma.async_copy_global_to_shared(v_desc, [hk * D, v0], v_ready.index(s),
+                                                v_s.index(s))
             else:  # V row-major (Tk, HK*D): box [BLOCK_N, D]
-                tma.async_copy_global_to_shared(v_desc, [n0, hk * D], v_ready.index(s), v_s.index(s))
+                tma.async_copy_global_to_shared(v_desc, [n0, hk * D], v_ready.index(s),
+                                                v_s.index(s))
         if QUANT:
-            # The tile's scales: E8M0 rows (H, T) are not 16-byte aligned in general, so no TMA; this warp
-            # loads them (it runs STAGES tiles ahead, which hides the latency) and stages 2^(ek-127) as
-            # fp32 and ev - 127 as int32, so that the consumers do no global loads and no conversions.
+            # The tile's scales: E8M0 rows (H, T) are not 16-byte aligned in general, so no TMA;
+            # this warp loads them (it runs STAGES tiles ahead, which hides the latency) and stages
+            # 2^(ek-127) as fp32 and ev - 127 as int32, so that the consumers do no global loads and
+            # no conversions.
             _stage_scales(EK, EV, EKS, EVS, sk_s.index(s), ev_s.index(s), hk, T_K, n0, kd_end,
                           TILE_SAFEGUARD and j >= n_unmasked, BLOCK_N)
             mbarrier.arrive(sc_ready.index(s), count=1)
@@ -167,9 +186,10 @@ def _loader(q_desc, k_desc, v_desc, ks_desc, vs_desc, q_s, k_s, v_s, sk_s, ev_s,
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
 def _softmax(s, m_i, l_i, ref_i, qscale, rows, offs_n, SK, EVR, kd_start, kd_end, qd_start, shift,
-             CAUSAL: gl.constexpr, QUANT: gl.constexpr, MASKED: gl.constexpr, P_DTYPE: gl.constexpr):
-    """Online softmax of one key tile (see the header): returns P (P_DTYPE, S's layout), the row factor
-    for O, and the new m, l, ref."""
+             CAUSAL: gl.constexpr, QUANT: gl.constexpr, MASKED: gl.constexpr,
+             P_DTYPE: gl.constexpr):
+    """Online softmax of one key tile (see the header): returns P (P_DTYPE, S's layout), the row
+    factor for O, and the new m, l, ref."""
     kmask = offs_n < kd_end
     if QUANT:
         col_l: gl.constexpr = gl.SliceLayout(0, s.type.layout)
@@ -189,7 +209,8 @@ def _softmax(s, m_i, l_i, ref_i, qscale, rows, offs_n, SK, EVR, kd_start, kd_end
             ref_new = gl.maximum(ref_i, gl.max(gl.where(visible, gl.expand_dims(ev, 0), -1000), 1))
         else:  # every row sees every key of the tile
             ref_new = gl.maximum(ref_i, gl.max(ev, 0))
-        p_r = gl.exp2(s * gl.expand_dims(qscale, 1) - gl.expand_dims(m_use + (ref_new - 8).to(gl.float32), 1))
+        p_r = gl.exp2(s * gl.expand_dims(qscale, 1)
+                      - gl.expand_dims(m_use + (ref_new - 8).to(gl.float32), 1))
         l_i = l_i * gl.exp2(m_i - m_use) + gl.sum(p_r, 1) * _exp2_int(ref_new + 119)  # 2^(ref - 8)
         alpha = gl.exp2((m_i - m_use) + (ref_i - ref_new).to(gl.float32))  # one exp2: max and ref
         p = (p_r * gl.expand_dims(_exp2_int(ev + 127), 0)).to(gl.float8e4nv)
@@ -223,7 +244,8 @@ def _step(j, acc, p, m_i, l_i, ref_i, q, qscale, rows, k_s, v_s, k_ready, v_read
     mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
     if PINGPONG:  # my turn to feed the tensor core
         mbarrier.wait(pp.index(WG), (j & 1) ^ (1 - WG))
-    s_tok = warpgroup_mma(q, k_s.index(st).permute((1, 0)), gl.zeros([64, BLOCK_N], gl.float32, s_layout),
+    s_tok = warpgroup_mma(q, k_s.index(st).permute((1, 0)),
+                          gl.zeros([64, BLOCK_N], gl.float32, s_layout),
                           use_acc=False, is_async=True)
     if not FIRST:
         sp = (j - 1) % STAGES
@@ -239,8 +261,9 @@ def _step(j, acc, p, m_i, l_i, ref_i, q, qscale, rows, k_s, v_s, k_ready, v_read
     EVR = ev_s.index(st)
     if QUANT:
         mbarrier.wait(sc_ready.index(st), (j // STAGES) & 1)
-    p_new, alpha, m_i, l_i, ref_i = _softmax(s, m_i, l_i, ref_i, qscale, rows, offs_n, SK, EVR, kd_start, kd_end,
-                                             qd_start, shift, CAUSAL, QUANT, MASKED, dtype)
+    p_new, alpha, m_i, l_i, ref_i = _softmax(s, m_i, l_i, ref_i, qscale, rows, offs_n, SK, EVR,
+                                             kd_start, kd_end, qd_start, shift, CAUSAL, QUANT,
+                                             MASKED, dtype)
     if not FIRST:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
         mbarrier.arrive(kv_empty.index(sp), count=1)  # K_{j-1} and V_{j-1} are consumed
@@ -262,37 +285,40 @@ def _consumer(q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_e
     rows = q_start + WG * 64 + gl.arange(0, 64, layout=row_l)
     qmask = rows < q_end
     if QUANT:
-        qscale = _exp2_int(gl.load(EQ + h * T_Q + rows, mask=qmask, other=127).to(gl.int32)) * sm_scale_log2
+        qscale = (_exp2_int(gl.load(EQ + h * T_Q + rows, mask=qmask, other=127).to(gl.int32))
+                  * sm_scale_log2)
     else:
         qscale = gl.full([64], 1.0, gl.float32, row_l) * sm_scale_log2
     m_i = gl.full([64], float("-inf"), gl.float32, row_l)
     l_i = gl.zeros([64], gl.float32, row_l)
-    ref_i = gl.full([64], -100, gl.int32, row_l)  # V reference exponent; >= -100 keeps 2^(8-ref) finite
+    # V reference exponent; >= -100 keeps 2^(8-ref) finite
+    ref_i = gl.full([64], -100, gl.int32, row_l)
     acc = gl.zeros([64, D], gl.float32, o_layout)
     mbarrier.wait(q_bar.index(WG), 0)
     q = q_s.index(WG)
     # tile 0 (no P V yet); masked or not is a runtime fact
-    p0 = gl.zeros([64, BLOCK_N], dtype, _p_layout(o_layout, dtype))  # placeholder: tile 0 has no P V
+    # placeholder: tile 0 has no P V
+    p0 = gl.zeros([64, BLOCK_N], dtype, _p_layout(o_layout, dtype))
     if n_unmasked > 0:
-        acc, p, m_i, l_i, ref_i = _step(0, acc, p0, m_i, l_i, ref_i, q, qscale, rows, k_s, v_s, k_ready,
-                                        v_ready, kv_empty, pp, sk_s, ev_s, sc_ready, kd_start, kd_end, qd_start,
-                                        shift, WG, BLOCK_N, STAGES, CAUSAL, QUANT, False, True, OVERLAP,
-                                        PINGPONG)
+        acc, p, m_i, l_i, ref_i = _step(0, acc, p0, m_i, l_i, ref_i, q, qscale, rows, k_s, v_s,
+                                        k_ready, v_ready, kv_empty, pp, sk_s, ev_s, sc_ready,
+                                        kd_start, kd_end, qd_start, shift, WG, BLOCK_N, STAGES,
+                                        CAUSAL, QUANT, False, True, OVERLAP, PINGPONG)
     else:
-        acc, p, m_i, l_i, ref_i = _step(0, acc, p0, m_i, l_i, ref_i, q, qscale, rows, k_s, v_s, k_ready,
-                                        v_ready, kv_empty, pp, sk_s, ev_s, sc_ready, kd_start, kd_end, qd_start,
-                                        shift, WG, BLOCK_N, STAGES, CAUSAL, QUANT, True, True, OVERLAP,
-                                        PINGPONG)
+        acc, p, m_i, l_i, ref_i = _step(0, acc, p0, m_i, l_i, ref_i, q, qscale, rows, k_s, v_s,
+                                        k_ready, v_ready, kv_empty, pp, sk_s, ev_s, sc_ready,
+                                        kd_start, kd_end, qd_start, shift, WG, BLOCK_N, STAGES,
+                                        CAUSAL, QUANT, True, True, OVERLAP, PINGPONG)
     for j in range(1, n_unmasked):  # tiles every row sees in full: no mask
-        acc, p, m_i, l_i, ref_i = _step(j, acc, p, m_i, l_i, ref_i, q, qscale, rows, k_s, v_s, k_ready,
-                                        v_ready, kv_empty, pp, sk_s, ev_s, sc_ready, kd_start, kd_end, qd_start,
-                                        shift, WG, BLOCK_N, STAGES, CAUSAL, QUANT, False, False, OVERLAP,
-                                        PINGPONG)
+        acc, p, m_i, l_i, ref_i = _step(j, acc, p, m_i, l_i, ref_i, q, qscale, rows, k_s, v_s,
+                                        k_ready, v_ready, kv_empty, pp, sk_s, ev_s, sc_ready,
+                                        kd_start, kd_end, qd_start, shift, WG, BLOCK_N, STAGES,
+                                        CAUSAL, QUANT, False, False, OVERLAP, PINGPONG)
     for j in range(gl.maximum(n_unmasked, 1), n_kt):  # the diagonal / the document's end
-        acc, p, m_i, l_i, ref_i = _step(j, acc, p, m_i, l_i, ref_i, q, qscale, rows, k_s, v_s, k_ready,
-                                        v_ready, kv_empty, pp, sk_s, ev_s, sc_ready, kd_start, kd_end, qd_start,
-                                        shift, WG, BLOCK_N, STAGES, CAUSAL, QUANT, True, False, OVERLAP,
-                                        PINGPONG)
+        acc, p, m_i, l_i, ref_i = _step(j, acc, p, m_i, l_i, ref_i, q, qscale, rows, k_s, v_s,
+                                        k_ready, v_ready, kv_empty, pp, sk_s, ev_s, sc_ready,
+                                        kd_start, kd_end, qd_start, shift, WG, BLOCK_N, STAGES,
+                                        CAUSAL, QUANT, True, False, OVERLAP, PINGPONG)
     # the last P V
     sp = (n_kt - 1) % STAGES
     mbarrier.wait(v_ready.index(sp), ((n_kt - 1) // STAGES) & 1)
@@ -320,9 +346,9 @@ def _consumer(q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_e
 @gluon.jit
 def _attn_fwd_hopper(q_desc, k_desc, v_desc, ks_desc, vs_desc, EQ, EK, EV, EKS, EVS, O, LSE, TILES,
                      sm_scale_log2, T_Q, T_K, H, HK,
-                     D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BLOCK_TOKENS: gl.constexpr,
-                     CAUSAL: gl.constexpr, QUANT: gl.constexpr, TILE_SAFEGUARD: gl.constexpr,
-                     OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+                     D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, QUANT: gl.constexpr,
+                     TILE_SAFEGUARD: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
     h = gl.program_id(0)  # heads fastest: the LPT order of the tile table holds across heads
     tile = gl.program_id(1)
     hk = h // (H // HK)
@@ -341,7 +367,8 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, ks_desc, vs_desc, EQ, EK, EV, EKS, 
         first = q_start - qd_start + shift
         n_full = gl.maximum(first + 1, 0) // BLOCK_N * BLOCK_N
         if TILE_SAFEGUARD:
-            n_full = gl.minimum(n_full, gl.maximum(first, 0) // BLOCK_TOKENS * BLOCK_TOKENS // BLOCK_N * BLOCK_N)
+            n_full = gl.minimum(n_full, gl.maximum(first, 0) // BLOCK_TOKENS * BLOCK_TOKENS
+                                // BLOCK_N * BLOCK_N)
         hi = gl.minimum(kd_len, q_end - qd_start + shift)
     else:
         n_full = kd_len // BLOCK_N * BLOCK_N
@@ -372,22 +399,24 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, ks_desc, vs_desc, EQ, EK, EV, EKS, 
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
     gl.warp_specialize([
-        (_consumer, (q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_empty, pp, EQ, O, LSE,
-                     sm_scale_log2, T_Q, T_K, H, h, hk, q_start, q_end, qd_start, kd_start, kd_end, shift, n_kt,
-                     n_unmasked, WG0, D, BLOCK_N, STAGES, CAUSAL, QUANT, TILE_SAFEGUARD, OVERLAP, PINGPONG)),
-        (_consumer, (q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_empty, pp, EQ, O, LSE,
-                     sm_scale_log2, T_Q, T_K, H, h, hk, q_start, q_end, qd_start, kd_start, kd_end, shift, n_kt,
-                     n_unmasked, WG1, D, BLOCK_N, STAGES, CAUSAL, QUANT, TILE_SAFEGUARD, OVERLAP, PINGPONG)),
-        (_loader, (q_desc, k_desc, v_desc, ks_desc, vs_desc, q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready,
-                   sc_ready, kv_empty, EK, EV, EKS, EVS, T_K, q_start, h, hk, kd_start, kd_end, v_base, n_kt,
-                   n_unmasked, D, BLOCK_N, STAGES, QUANT,
-                   TILE_SAFEGUARD)),
+        (_consumer, (q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_empty, pp,
+                     EQ, O, LSE, sm_scale_log2, T_Q, T_K, H,
+                     h, hk, q_start, q_end, qd_start, kd_start, kd_end, shift, n_kt, n_unmasked,
+                     WG0, D, BLOCK_N, STAGES, CAUSAL, QUANT, TILE_SAFEGUARD, OVERLAP, PINGPONG)),
+        (_consumer, (q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_empty, pp,
+                     EQ, O, LSE, sm_scale_log2, T_Q, T_K, H,
+                     h, hk, q_start, q_end, qd_start, kd_start, kd_end, shift, n_kt, n_unmasked,
+                     WG1, D, BLOCK_N, STAGES, CAUSAL, QUANT, TILE_SAFEGUARD, OVERLAP, PINGPONG)),
+        (_loader, (q_desc, k_desc, v_desc, ks_desc, vs_desc, q_s, k_s, v_s, sk_s, ev_s, q_bar,
+                   k_ready, v_ready, sc_ready, kv_empty, EK, EV, EKS, EVS, T_K, q_start, h, hk,
+                   kd_start, kd_end, v_base, n_kt, n_unmasked,
+                   D, BLOCK_N, STAGES, QUANT, TILE_SAFEGUARD)),
     ], [4, 1], [240, 24])
 
 
-# ----------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # host side
-# ----------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 BLOCK_M = 128  # query rows per CTA (2 warpgroups x 64): the Plan's tile table must use this
 
 
@@ -419,19 +448,21 @@ def _desc(t, shape, strides, block):
                             gl.NVMMASharedLayout.get_default_for(list(block), dtype))
 
 
-def attn_fwd(q_data, q_exp, k_data, k_exp, v_data, v_exp, o, lse, tiles, *, softmax_scale, causal, recipe="mxfp8",
-             block_tokens=1, per_token=None, v_len=None, config=None):
+def attn_fwd(q_data, q_exp, k_data, k_exp, v_data, v_exp, o, lse, tiles, *, softmax_scale, causal,
+             recipe="mxfp8", block_tokens=1, per_token=None, v_len=None, config=None):
     """Launch the Gluon forward on flamia's operands.
 
     mxfp8: q_data (Tq, H, D) e4m3, q_exp (H, Tq) u8; k_data (Tk, HK, D) e4m3, k_exp (HK, Tk) u8;
            v_data token-transposed (HK, D, T_pad) e4m3, v_exp (HK, Tk) u8.
     bf16:  q_data, k_data, v_data (T, H, D) as given; the *_exp are ignored.
-    per_token: (ks, eks, vts, evs) per-token copies for B_t=128's per-tile safeguard (causal), else None.
+    per_token: (ks, eks, vts, evs) per-token copies for B_t=128's per-tile safeguard (causal),
+               else None.
     o (Tq, H, D), lse (H, Tq) fp32: outputs (pre-filled by the caller where rows see no key).
     tiles: plan.tiles(128, "q", causal).
-    v_len: mxfp8: the written width of the token-transposed V (plan.pad_k[-1], the end of the last document's
-    padding). The quantizer leaves the tail of its T_pad-wide buffer uninitialized; a V^T tile that reaches
-    past v_len must read zeros there (TMA's out-of-bounds fill), never garbage: a NaN byte times P = 0 is NaN."""
+    v_len: mxfp8: the written width of the token-transposed V (plan.pad_k[-1], the end of the last
+    document's padding). The quantizer leaves the tail of its T_pad-wide buffer uninitialized; a V^T
+    tile that reaches past v_len must read zeros there (TMA's out-of-bounds fill), never garbage: a
+    NaN byte times P = 0 is NaN."""
     Tq, H, D = q_data.shape
     Tk, HK = k_data.shape[:2]
     quant = recipe == "mxfp8"
@@ -459,7 +490,8 @@ def attn_fwd(q_data, q_exp, k_data, k_exp, v_data, v_exp, o, lse, tiles, *, soft
         return o, lse
     _attn_fwd_hopper[(H, n)](qd, kd, vd, ksd, vsd, EQ, EK, EV, eks, evs, o, lse, tiles,
                              softmax_scale * 1.4426950408889634, Tq, Tk, H, HK,
-                             D=D, BLOCK_N=BN, STAGES=STAGES, BLOCK_TOKENS=block_tokens, CAUSAL=causal, QUANT=quant,
-                             TILE_SAFEGUARD=tile_safeguard, OVERLAP=cfg["OVERLAP"], PINGPONG=cfg["PINGPONG"],
+                             D=D, BLOCK_N=BN, STAGES=STAGES, BLOCK_TOKENS=block_tokens,
+                             CAUSAL=causal, QUANT=quant, TILE_SAFEGUARD=tile_safeguard,
+                             OVERLAP=cfg["OVERLAP"], PINGPONG=cfg["PINGPONG"],
                              num_warps=4, maxnreg=168)
     return o, lse
