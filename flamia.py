@@ -1504,9 +1504,10 @@ def _bwd_config(D: int, blackwell: bool = False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel (query x key tiles) and of the
     dQ kernel (`bench.py --tune` on the H200, D=128): bigger query tiles in dK/dV spill registers.
     On Blackwell (sm_100+) the H200's dK/dV tiles spill (tcgen05's software pipeline keeps more
-    state live): 64 keys, one stage (`bench.py --sm100`; tcgen05 needs >= 64 rows)."""
+    state live): 64 keys, one stage, 4 warps at D=64 (`bench.py --sm100`; tcgen05 needs >= 64
+    rows)."""
     if blackwell:
-        return (32, 64, 8, 1), (128, 64, 8, 3)
+        return (32, 64, 8 if D > 64 else 4, 1), (128, 64, 8, 3)
     return (32, 128, 8, 3), (128, 64, 8, 3)
 
 

@@ -2118,7 +2118,7 @@ def test_interpreter_numerics_fixed_outside_pytest():
 # each turns into a failure the day it is fixed, so the marker has to go with it.
 BW_CONFIGS = ["fwd-mxfp8-bt1-D128", "fwd-mxfp8-bt32-D128", "fwd-mxfp8-bt128-D128", "fwd-mxfp4-bt1-D128",
               "fwd-mxfp4-bt32-D128", "fwd-bf16-bt1-D128", "bwd-mxfp8-bt1-D128", "bwd-mxfp8-bt32-D128",
-              "bwd-mxfp8-bt128-D128", "bwd-mxfp4-bt32-D128"]
+              "bwd-mxfp8-bt128-D128", "bwd-mxfp4-bt32-D128", "fwd-mxfp8-bt32-D64", "bwd-mxfp8-bt32-D64"]
 
 
 def _blackwell_toolchain():
