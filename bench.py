@@ -233,6 +233,8 @@ def bench_attention(args):
                  "flamia-nvfp4 (FP4 emulated on Hopper)": lambda: flamia_impl("nvfp4", lens),
                  "flamia-mxfp4 (FP4 emulated on Hopper)": lambda: flamia_impl("mxfp4", lens),
                  "flamia-mxfp8 gluon (Hopper)": lambda: flamia_impl("mxfp8", lens, backend="gluon"),
+                 "flamia-mxfp8 B_t=128 gluon (Hopper)": lambda: flamia_impl("mxfp8", lens, block_tokens=128,
+                                                                            backend="gluon"),
                  "flamia-bf16 gluon (Hopper)": lambda: flamia_impl("bf16", lens, backend="gluon"),
                  "sdpa-cudnn": lambda: sdpa_impl(lens), "varlen_attn": lambda: varlen_impl(lens),
                  "flex": lambda: flex_impl(lens)}

@@ -19,7 +19,7 @@ warps are padded to 3 warpgroups and 3 x 128 x 168 registers are redistributed b
         TMA K_j   -> k_s[s],  arrives on k_ready[s]   (expect-tx barrier)
         TMA V_j^T -> v_s[s],  arrives on v_ready[s]   (S can start before V lands)
         mxfp8: load the tile's 2 x 128 scale bytes, store 2^(ek-127) (fp32) and ev-127 (int32)
-               to sk_s[s], ev_s[s], then arrive on sc_ready[s].
+               to sk_s[s], ev_s[s], then arrive on sc_ready[s] (ONE_SCALE tiles skip the wait).
       The scale rows (H, T) of E8M0 bytes are not 16-byte aligned in general, so TMA cannot fetch
       them; this warp runs STAGES tiles ahead, which hides their latency (loaded in the consumers
       they sat on the critical path).
@@ -29,23 +29,24 @@ warps are padded to 3 warpgroups and 3 x 128 x 168 registers are redistributed b
   consumer w=1 (4 warps, 240 regs):  rows 64..127. Both read the same slots: kv_empty is
                                      initialised with count 2.
 
-Per consumer warpgroup, iteration j (FA3's intra-warpgroup pipelining, OVERLAP=True, the default):
-    wait k_ready[j]                issue S_j  = Q K_j^T             (async wgmma, smem x smem)
-    wait v_ready[j-1]              issue O   += P_{j-1} V_{j-1}     (async wgmma, P from registers)
-    wgmma_wait(1) -> S_j           (PV_{j-1} is still running on the tensor core ...)
-    wait sc_ready[j]; softmax(S_j) -> P_j, alpha_j   (... while the CUDA cores / MUFU do this)
-    wgmma_wait(0) -> O;  arrive kv_empty[j-1];  O *= alpha_j
-Tile 0 (no P V yet) is peeled, then the tiles every row sees in full (no mask), then the masked
-ones (diagonal / document end), then the last O += P V and the epilogue. Only finished tensors (O,
-P, m, l, ref) cross iterations; async wgmma tokens never do. OVERLAP=False waits for both GEMMs
-before the softmax (then only the other warpgroup hides it).
+Per consumer warpgroup, key tile j (S_j = Q K_j^T is already in registers; S_0 before the loop):
+    wait k_ready[j+1]; issue S_{j+1}   (async wgmma, smem x smem: it runs on the tensor core ...)
+    wait sc_ready[j]; softmax(S_j) -> P_j, alpha_j        (... while the CUDA cores / MUFU do this)
+    O *= alpha_j;  wait v_ready[j];  issue O += P_j V_j   (async wgmma, P from registers)
+    wgmma_wait(1) -> S_{j+1};  wgmma_wait(0) -> O;  arrive kv_empty[j]
+and the other warpgroup's softmax runs under this one's P V. Every MMA is retired in the step that
+issued it, for two facts of ptxas (12.8, seen in the SASS): it cannot follow an accumulator that is
+in flight across a loop's back edge (it then serializes every MMA, warning C7514), and it places a
+wgmma wait as early as the wait's own dependencies allow, so a softmax can only overlap an MMA
+issued before it and waited for after it: FA3's "issue P_{j-1} V_{j-1}, softmax, wait" order
+compiled to a wait before the softmax. Tiles every row sees in full (no mask) come first; the
+masked ones (diagonal, document end) issue S_{j+1} after P_j V_j instead (their mask temporaries
+and a second S do not fit in 240 registers); the last tile issues no S.
 
-PINGPONG=True (FA3's inter-warpgroup ping-pong): the two warpgroups take turns to ISSUE their GEMMs
-through two mbarriers: warpgroup w waits pp[w], issues S_j (+ PV_{j-1}), arrives on pp[1-w], so the
-tensor core receives WG0's GEMMs, then WG1's, ... and one warpgroup's softmax runs under the other's
-GEMMs. Warpgroup 0 starts (its first wait uses a fresh barrier's phase trick); both walk the same
-number of key tiles, so the turns pair up. It measured no faster than the default on the H200, so
-it is off.
+With B_t a multiple of BLOCK_N (128), an unmasked tile lies inside one scale block: its two
+exponents are scalars (ONE_SCALE, loaded one tile ahead from global memory), K's scale joins the
+row factor and V's rides in the exp2's offset: no per-element scale multiplies, the softmax costs
+what bf16's does (the unmasked step: 578 SASS instructions vs 808 with per-token scales).
 
 Where the scales enter (MXFP8; the numerics of flamia's _attn_fwd_step, per key, B_t=1 or 128):
     s     = (Q8 K8^T)[i, j] * 2^(ek_j - 127)                    column scale on the fp32 S (1 FMUL)
@@ -104,11 +105,6 @@ def _mma_layout(dtype, N):
     # one warpgroup (4 warps) x 64 rows; K of the instruction: 32 bytes
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                      instr_shape=[16, N, 256 // dtype.primitive_bitwidth])
-
-@gluon.constexpr_function
-def _p_layout(parent, dtype):  # P as the register (A) operand of P V
-    return gl.DotOperandLayout(operand_index=0, parent=parent,
-                               k_width=32 // dtype.primitive_bitwidth)
 
 @gluon.jit
 def _exp2_int(e):
@@ -185,11 +181,27 @@ def _loader(q_desc, k_desc, v_desc, ks_desc, vs_desc, q_s, k_s, v_s, sk_s, ev_s,
 # consumer partition (one warpgroup, 64 query rows)
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
-def _softmax(s, m_i, l_i, ref_i, qscale, rows, offs_n, SK, EVR, kd_start, kd_end, qd_start, shift,
-             CAUSAL: gl.constexpr, QUANT: gl.constexpr, MASKED: gl.constexpr,
-             P_DTYPE: gl.constexpr):
-    """Online softmax of one key tile (see the header): returns P (P_DTYPE, S's layout), the row
-    factor for O, and the new m, l, ref."""
+def _softmax(s, m_i, l_i, ref_i, qscale, rows, offs_n, SK, EVR, ek1, ev1, kd_start, kd_end,
+             qd_start, shift, CAUSAL: gl.constexpr, QUANT: gl.constexpr, MASKED: gl.constexpr,
+             ONE_SCALE: gl.constexpr):
+    """Online softmax of one key tile (see the header): returns P (fp32, S's layout), the row
+    factor for O, and the new m, l, ref. ONE_SCALE: the tile lies in one scale block, whose
+    exponents ek1 (biased) and ev1 (unbiased) are scalars: K's scale joins the row factor and V's
+    rides in the exp2's offset (flamia's ONE_SCALE path: two multiplies per element fewer)."""
+    if ONE_SCALE:
+        qs = qscale * _exp2_int(ek1)
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qs)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
+        ref_new = gl.maximum(ref_i, ev1)
+        # a tile more than 2^64 below the reference (an all-zero V block: ev1 = -126) would
+        # underflow p out of the sum: ev_floor keeps it (its P rounds to E4M3 zero either way)
+        ev_floor = gl.maximum(ref_new - 64, ev1)
+        p = gl.exp2(s * gl.expand_dims(qs, 1)
+                    - gl.expand_dims(m_use + (ref_new - 8 - ev_floor).to(gl.float32), 1))
+        l_i = (l_i * gl.exp2(m_i - m_use)
+               + gl.sum(p, 1) * _exp2_int(127 - ev_floor) * _exp2_int(ref_new + 119))
+        alpha = gl.exp2((m_i - m_use) + (ref_i - ref_new).to(gl.float32))
+        return p, alpha, m_new, l_i, ref_new
     kmask = offs_n < kd_end
     if QUANT:
         col_l: gl.constexpr = gl.SliceLayout(0, s.type.layout)
@@ -213,13 +225,12 @@ def _softmax(s, m_i, l_i, ref_i, qscale, rows, offs_n, SK, EVR, kd_start, kd_end
                       - gl.expand_dims(m_use + (ref_new - 8).to(gl.float32), 1))
         l_i = l_i * gl.exp2(m_i - m_use) + gl.sum(p_r, 1) * _exp2_int(ref_new + 119)  # 2^(ref - 8)
         alpha = gl.exp2((m_i - m_use) + (ref_i - ref_new).to(gl.float32))  # one exp2: max and ref
-        p = (p_r * gl.expand_dims(_exp2_int(ev + 127), 0)).to(gl.float8e4nv)
+        p = p_r * gl.expand_dims(_exp2_int(ev + 127), 0)
     else:
         ref_new = ref_i
         p = gl.exp2(s * gl.expand_dims(qscale, 1) - gl.expand_dims(m_use, 1))
         alpha = gl.exp2(m_i - m_use)
         l_i = l_i * alpha + gl.sum(p, 1)
-        p = p.to(P_DTYPE)
     return p, alpha, m_new, l_i, ref_new
 
 @gluon.jit
@@ -230,54 +241,68 @@ def _v_operand(v_s, st, QUANT: gl.constexpr):
         return v_s.index(st)
 
 @gluon.jit
-def _step(j, acc, p, m_i, l_i, ref_i, q, qscale, rows, k_s, v_s, k_ready, v_ready, kv_empty, pp,
-          sk_s, ev_s, sc_ready, kd_start, kd_end, qd_start, shift,
-          WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-          QUANT: gl.constexpr, MASKED: gl.constexpr, FIRST: gl.constexpr, OVERLAP: gl.constexpr,
-          PINGPONG: gl.constexpr):
-    """Key tile j: S_j = Q K_j^T, (not FIRST) O += P_{j-1} V_{j-1}, softmax(S_j) -> P_j."""
-    dtype: gl.constexpr = q.dtype
-    s_layout: gl.constexpr = _mma_layout(dtype, BLOCK_N)
-    o_layout: gl.constexpr = acc.type.layout
-    st = j % STAGES
-    offs_n = kd_start + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
-    if PINGPONG:  # my turn to feed the tensor core
-        mbarrier.wait(pp.index(WG), (j & 1) ^ (1 - WG))
-    s_tok = warpgroup_mma(q, k_s.index(st).permute((1, 0)),
-                          gl.zeros([64, BLOCK_N], gl.float32, s_layout),
-                          use_acc=False, is_async=True)
-    if not FIRST:
-        sp = (j - 1) % STAGES
-        mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
-        acc_tok = warpgroup_mma(p, _v_operand(v_s, sp, QUANT), acc, is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(pp.index(1 - WG), count=1)
-    if FIRST or OVERLAP:
-        s = warpgroup_mma_wait(num_outstanding=1 if not FIRST else 0, deps=(s_tok,))
-    else:
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-    SK = sk_s.index(st)
-    EVR = ev_s.index(st)
-    if QUANT:
-        mbarrier.wait(sc_ready.index(st), (j // STAGES) & 1)
-    p_new, alpha, m_i, l_i, ref_i = _softmax(s, m_i, l_i, ref_i, qscale, rows, offs_n, SK, EVR,
-                                             kd_start, kd_end, qd_start, shift, CAUSAL, QUANT,
-                                             MASKED, dtype)
-    if not FIRST:
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
-        mbarrier.arrive(kv_empty.index(sp), count=1)  # K_{j-1} and V_{j-1} are consumed
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p_new = gl.convert_layout(p_new, _p_layout(o_layout, dtype))
-    return acc, p_new, m_i, l_i, ref_i
+def _block_scales(EKd, EVd, n, kd_len):
+    """ONE_SCALE: the exponents of the scale block at document-relative key n (ek biased, ev
+    unbiased; past the document: 2^0 and -126, which never raise the reference exponent)."""
+    ek = gl.load(EKd + n, mask=n < kd_len, other=127).to(gl.int32)
+    return ek, gl.load(EVd + n, mask=n < kd_len, other=1).to(gl.int32) - 127
 
 @gluon.jit
-def _consumer(q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_empty, pp,
-              EQ, O, LSE, sm_scale_log2, T_Q, T_K, H,
+def _issue_s(j, q, k_s, k_ready, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """S_j = Q K_j^T, asynchronously (a token)."""
+    st = j % STAGES
+    mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
+    return warpgroup_mma(q, k_s.index(st).permute((1, 0)),
+                         gl.zeros([64, BLOCK_N], gl.float32, _mma_layout(q.dtype, BLOCK_N)),
+                         use_acc=False, is_async=True)
+
+@gluon.jit
+def _step(j, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, k_s, v_s, k_ready, v_ready,
+          kv_empty, sk_s, ev_s, sc_ready, EKd, EVd, kd_start, kd_end, qd_start, shift,
+          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+          QUANT: gl.constexpr, MASKED: gl.constexpr, LAST: gl.constexpr, ONE_SCALE: gl.constexpr):
+    """Key tile j, whose S_j is in registers: issue S_{j+1} (unless LAST), softmax(S_j) while it
+    runs, O = alpha_j O + P_j V_j. Returns S_{j+1} (S_j when LAST) and the new statistics.
+    MASKED tiles issue S_{j+1} after P_j V_j instead: their mask temporaries and S_{j+1}'s 64
+    accumulator registers do not fit together in 240 (ptxas spilled ~0.7 KB), and they are one or
+    two tiles per query tile."""
+    dtype: gl.constexpr = q.dtype
+    s_layout: gl.constexpr = s.type.layout
+    o_layout: gl.constexpr = acc.type.layout
+    st = j % STAGES
+    if not LAST and not MASKED:
+        s_tok = _issue_s(j + 1, q, k_s, k_ready, BLOCK_N, STAGES)
+    offs_n = kd_start + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    one: gl.constexpr = ONE_SCALE and not MASKED
+    if QUANT and not one:
+        mbarrier.wait(sc_ready.index(st), (j // STAGES) & 1)
+    p, alpha, m_i, l_i, ref_i = _softmax(s, m_i, l_i, ref_i, qscale, rows, offs_n, sk_s.index(st),
+                                         ev_s.index(st), ek1, ev1, kd_start, kd_end, qd_start,
+                                         shift, CAUSAL, QUANT, MASKED, one)
+    if one:  # the next tile's scalar scales, loaded a tile ahead (their latency hides here)
+        ek1, ev1 = _block_scales(EKd, EVd, (j + 1) * BLOCK_N, kd_end - kd_start)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    p = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(
+        operand_index=0, parent=o_layout, k_width=32 // dtype.primitive_bitwidth))
+    mbarrier.wait(v_ready.index(st), (j // STAGES) & 1)
+    acc_tok = warpgroup_mma(p, _v_operand(v_s, st, QUANT), acc, is_async=True)
+    if not LAST and MASKED:
+        s_tok = _issue_s(j + 1, q, k_s, k_ready, BLOCK_N, STAGES)
+    if not LAST:
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+    # Every MMA this step issued is retired inside it: ptxas cannot follow an accumulator that is
+    # in flight across the loop's back edge (it serializes every MMA then), and it places a wait
+    # for an MMA as early as it can, so the softmax overlaps the MMA issued BEFORE it (S_{j+1}).
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
+    mbarrier.arrive(kv_empty.index(st), count=1)  # K_j and V_j are consumed
+    return s, acc, m_i, l_i, ref_i, ek1, ev1
+
+@gluon.jit
+def _consumer(q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_empty,
+              EQ, EK, EV, O, LSE, sm_scale_log2, T_Q, T_K, H,
               h, hk, q_start, q_end, qd_start, kd_start, kd_end, shift, n_kt, n_unmasked,
               WG: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, QUANT: gl.constexpr, TILE_SAFEGUARD: gl.constexpr,
-              OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+              CAUSAL: gl.constexpr, QUANT: gl.constexpr, ONE_SCALE: gl.constexpr):
     dtype: gl.constexpr = q_s.dtype
     s_layout: gl.constexpr = _mma_layout(dtype, BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(dtype, D)
@@ -296,35 +321,43 @@ def _consumer(q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_e
     acc = gl.zeros([64, D], gl.float32, o_layout)
     mbarrier.wait(q_bar.index(WG), 0)
     q = q_s.index(WG)
-    # tile 0 (no P V yet); masked or not is a runtime fact
-    # placeholder: tile 0 has no P V
-    p0 = gl.zeros([64, BLOCK_N], dtype, _p_layout(o_layout, dtype))
-    if n_unmasked > 0:
-        acc, p, m_i, l_i, ref_i = _step(0, acc, p0, m_i, l_i, ref_i, q, qscale, rows, k_s, v_s,
-                                        k_ready, v_ready, kv_empty, pp, sk_s, ev_s, sc_ready,
-                                        kd_start, kd_end, qd_start, shift, WG, BLOCK_N, STAGES,
-                                        CAUSAL, QUANT, False, True, OVERLAP, PINGPONG)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(_issue_s(0, q, k_s, k_ready, BLOCK_N, STAGES),))
+    EKd = EK + hk * T_K + kd_start  # this K/V head's exponents at the document start
+    EVd = EV + hk * T_K + kd_start
+    ek1 = 0
+    ev1 = 0
+    if ONE_SCALE:
+        ek1, ev1 = _block_scales(EKd, EVd, 0, kd_end - kd_start)
+    # Tiles every row sees in full (no mask), then the masked ones; the last tile issues no S.
+    n_free = gl.minimum(n_unmasked, n_kt - 1)
+    for j in range(0, n_free):
+        s, acc, m_i, l_i, ref_i, ek1, ev1 = _step(j, s, acc, m_i, l_i, ref_i, ek1, ev1,
+                                                  q, qscale, rows, k_s, v_s, k_ready, v_ready,
+                                                  kv_empty, sk_s, ev_s, sc_ready, EKd, EVd,
+                                                  kd_start, kd_end, qd_start, shift, BLOCK_N,
+                                                  STAGES, CAUSAL,
+                                                  QUANT, False, False, ONE_SCALE)
+    for j in range(n_free, n_kt - 1):
+        s, acc, m_i, l_i, ref_i, ek1, ev1 = _step(j, s, acc, m_i, l_i, ref_i, ek1, ev1,
+                                                  q, qscale, rows, k_s, v_s, k_ready, v_ready,
+                                                  kv_empty, sk_s, ev_s, sc_ready, EKd, EVd,
+                                                  kd_start, kd_end, qd_start, shift, BLOCK_N,
+                                                  STAGES, CAUSAL,
+                                                  QUANT, True, False, ONE_SCALE)
+    if n_kt - 1 < n_unmasked:
+        s, acc, m_i, l_i, ref_i, ek1, ev1 = _step(n_kt - 1, s, acc, m_i, l_i, ref_i, ek1, ev1,
+                                                  q, qscale, rows, k_s, v_s, k_ready, v_ready,
+                                                  kv_empty, sk_s, ev_s, sc_ready, EKd, EVd,
+                                                  kd_start, kd_end, qd_start, shift, BLOCK_N,
+                                                  STAGES, CAUSAL,
+                                                  QUANT, False, True, ONE_SCALE)
     else:
-        acc, p, m_i, l_i, ref_i = _step(0, acc, p0, m_i, l_i, ref_i, q, qscale, rows, k_s, v_s,
-                                        k_ready, v_ready, kv_empty, pp, sk_s, ev_s, sc_ready,
-                                        kd_start, kd_end, qd_start, shift, WG, BLOCK_N, STAGES,
-                                        CAUSAL, QUANT, True, True, OVERLAP, PINGPONG)
-    for j in range(1, n_unmasked):  # tiles every row sees in full: no mask
-        acc, p, m_i, l_i, ref_i = _step(j, acc, p, m_i, l_i, ref_i, q, qscale, rows, k_s, v_s,
-                                        k_ready, v_ready, kv_empty, pp, sk_s, ev_s, sc_ready,
-                                        kd_start, kd_end, qd_start, shift, WG, BLOCK_N, STAGES,
-                                        CAUSAL, QUANT, False, False, OVERLAP, PINGPONG)
-    for j in range(gl.maximum(n_unmasked, 1), n_kt):  # the diagonal / the document's end
-        acc, p, m_i, l_i, ref_i = _step(j, acc, p, m_i, l_i, ref_i, q, qscale, rows, k_s, v_s,
-                                        k_ready, v_ready, kv_empty, pp, sk_s, ev_s, sc_ready,
-                                        kd_start, kd_end, qd_start, shift, WG, BLOCK_N, STAGES,
-                                        CAUSAL, QUANT, True, False, OVERLAP, PINGPONG)
-    # the last P V
-    sp = (n_kt - 1) % STAGES
-    mbarrier.wait(v_ready.index(sp), ((n_kt - 1) // STAGES) & 1)
-    acc_tok = warpgroup_mma(p, _v_operand(v_s, sp, QUANT), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
-    mbarrier.arrive(kv_empty.index(sp), count=1)
+        s, acc, m_i, l_i, ref_i, ek1, ev1 = _step(n_kt - 1, s, acc, m_i, l_i, ref_i, ek1, ev1,
+                                                  q, qscale, rows, k_s, v_s, k_ready, v_ready,
+                                                  kv_empty, sk_s, ev_s, sc_ready, EKd, EVd,
+                                                  kd_start, kd_end, qd_start, shift, BLOCK_N,
+                                                  STAGES, CAUSAL,
+                                                  QUANT, True, True, ONE_SCALE)
     # epilogue: O = acc / l (back from units of 2^(ref - 8)), LSE in natural log
     orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     if QUANT:
@@ -348,7 +381,7 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, ks_desc, vs_desc, EQ, EK, EV, EKS, 
                      sm_scale_log2, T_Q, T_K, H, HK,
                      D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, QUANT: gl.constexpr,
-                     TILE_SAFEGUARD: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+                     TILE_SAFEGUARD: gl.constexpr):
     h = gl.program_id(0)  # heads fastest: the LPT order of the tile table holds across heads
     tile = gl.program_id(1)
     hk = h // (H // HK)
@@ -384,29 +417,30 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, ks_desc, vs_desc, EQ, EK, EV, EKS, 
     ev_s = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], sc_l)
     sc_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    pp = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
-        mbarrier.init(pp.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(sc_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)  # both consumer warpgroups release a slot
+    # Unmasked tiles inside one scale block (B_t a multiple of BLOCK_N, both aligned to the
+    # document start): their scales are two scalars
+    ONE_SCALE: gl.constexpr = QUANT and BLOCK_TOKENS % BLOCK_N == 0
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
     gl.warp_specialize([
-        (_consumer, (q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_empty, pp,
-                     EQ, O, LSE, sm_scale_log2, T_Q, T_K, H,
+        (_consumer, (q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_empty,
+                     EQ, EK, EV, O, LSE, sm_scale_log2, T_Q, T_K, H,
                      h, hk, q_start, q_end, qd_start, kd_start, kd_end, shift, n_kt, n_unmasked,
-                     WG0, D, BLOCK_N, STAGES, CAUSAL, QUANT, TILE_SAFEGUARD, OVERLAP, PINGPONG)),
-        (_consumer, (q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_empty, pp,
-                     EQ, O, LSE, sm_scale_log2, T_Q, T_K, H,
+                     WG0, D, BLOCK_N, STAGES, CAUSAL, QUANT, ONE_SCALE)),
+        (_consumer, (q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_empty,
+                     EQ, EK, EV, O, LSE, sm_scale_log2, T_Q, T_K, H,
                      h, hk, q_start, q_end, qd_start, kd_start, kd_end, shift, n_kt, n_unmasked,
-                     WG1, D, BLOCK_N, STAGES, CAUSAL, QUANT, TILE_SAFEGUARD, OVERLAP, PINGPONG)),
+                     WG1, D, BLOCK_N, STAGES, CAUSAL, QUANT, ONE_SCALE)),
         (_loader, (q_desc, k_desc, v_desc, ks_desc, vs_desc, q_s, k_s, v_s, sk_s, ev_s, q_bar,
                    k_ready, v_ready, sc_ready, kv_empty, EK, EV, EKS, EVS, T_K, q_start, h, hk,
                    kd_start, kd_end, v_base, n_kt, n_unmasked,
@@ -421,10 +455,10 @@ BLOCK_M = 128  # query rows per CTA (2 warpgroups x 64): the Plan's tile table m
 
 
 def default_config(recipe: str, D: int) -> dict:
-    """BLOCK_N, STAGES, OVERLAP, PINGPONG. Shared memory: Q 2*64*D + STAGES*(K + V) tiles."""
+    """BLOCK_N, STAGES. Shared memory: Q 2*64*D + STAGES*(K + V) tiles."""
     if recipe == "bf16":
-        return dict(BLOCK_N=128, STAGES=2 if D == 128 else 3, OVERLAP=True, PINGPONG=False)
-    return dict(BLOCK_N=128, STAGES=4 if D == 128 else 5, OVERLAP=True, PINGPONG=False)
+        return dict(BLOCK_N=128, STAGES=2 if D == 128 else 3)
+    return dict(BLOCK_N=128, STAGES=4 if D == 128 else 5)
 
 
 def unsupported_reason(recipe: str, dtype, safeguard_mode: str):
@@ -492,6 +526,5 @@ def attn_fwd(q_data, q_exp, k_data, k_exp, v_data, v_exp, o, lse, tiles, *, soft
                              softmax_scale * 1.4426950408889634, Tq, Tk, H, HK,
                              D=D, BLOCK_N=BN, STAGES=STAGES, BLOCK_TOKENS=block_tokens,
                              CAUSAL=causal, QUANT=quant, TILE_SAFEGUARD=tile_safeguard,
-                             OVERLAP=cfg["OVERLAP"], PINGPONG=cfg["PINGPONG"],
                              num_warps=4, maxnreg=168)
     return o, lse
