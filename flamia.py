@@ -845,20 +845,38 @@ def _e8m0_blocks(e, D: tl.constexpr):
 
 
 @triton.jit
-def _load_keys(K, offs_n, kmask, HK, D: tl.constexpr):
-    """A (BLOCK_N, D) tile of K (rows = document-local keys; K points at the document start and
-    the head, rows are HK * D elements apart)."""
-    # one offset tensor, then one pointer add: a pointer tensor is 64-bit per element (registers)
-    return tl.load(K + (offs_n[:, None] * (HK * D) + tl.arange(0, D)[None, :]), mask=kmask[:, None],
-                   other=0.0)
+def _load_keys(K, start_n, k_len, stride, W: tl.constexpr, BLOCK_N: tl.constexpr, other=0.0):
+    """A (BLOCK_N, W) tile of K (rows = the document-local keys from start_n): K points at the
+    document start and the head, rows `stride` elements apart; or K is the TMA descriptor of
+    exactly that range (Blackwell), whose boxes read zeros past the document's end."""
+    if isinstance(K, tl.tensor_descriptor):
+        k = K.load([start_n, 0])
+    else:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        # one offset tensor, then one pointer add: a pointer tensor is 64-bit per element
+        k = tl.load(K + (offs_n[:, None] * stride + tl.arange(0, W)[None, :]),
+                    mask=(offs_n < k_len)[:, None], other=other)
+    return k
 
 
 @triton.jit
-def _load_values(V, v_offs, vmask, MASKED: tl.constexpr):
-    """A V tile; unmasked tiles lie inside the document's (padded) range and need no mask."""
-    if MASKED:
-        return tl.load(V + v_offs, mask=vmask, other=0.0)
-    return tl.load(V + v_offs)
+def _load_values(V, start_n, v_len, stride_vd, stride_vt, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """A (BLOCK_N, D) V tile (V as in _load_keys, or its TMA descriptor over (D, padded keys)).
+    The aligned document-local offset keeps fp8 V's loads provably 16-byte aligned, and the mask
+    (up to the document's zero-padded end, a multiple of 16) constant over 16 keys, so a masked
+    load is still a pipelined 16-byte async copy (a per-key mask would make it a synchronous byte
+    load); unmasked tiles lie inside the document's padded range and need no mask."""
+    if isinstance(V, tl.tensor_descriptor):
+        v = tl.trans(V.load([0, start_n]))
+    else:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        v_offs = tl.arange(0, D)[None, :] * stride_vd + offs_n[:, None] * stride_vt
+        if MASKED:
+            v = tl.load(V + v_offs, mask=(offs_n < v_len)[:, None], other=0.0)
+        else:
+            v = tl.load(V + v_offs)
+    return v
 
 
 @triton.jit
@@ -879,6 +897,17 @@ def _key_scales(EK, EV, n0, k_len, BLOCK_N: tl.constexpr, K_FORMAT: tl.constexpr
             ek = tl.load(EK + offs_n, mask=kmask, other=1.0)
         ev = tl.load(EV + offs_n, mask=kmask, other=1).to(tl.int32) - 127
     return ek, ev
+
+
+@triton.jit
+def _kv_descriptors(K, V, k_len, v_len, HK, stride_vd, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    K_FORMAT: tl.constexpr):
+    """TMA descriptors (Blackwell) of one document's K (k_len rows) and V^T (D rows of v_len
+    padded keys), from pointers at its start and head: a box past the document's end reads zeros,
+    never the next document (a NaN there times P = 0 would be NaN) or V^T's unwritten tail."""
+    W: tl.constexpr = D // 2 if K_FORMAT == "fp4_packed" else D  # FP4: two E2M1 per byte
+    return (tl.make_tensor_descriptor(K, [k_len, W], [HK * W, 1], [BLOCK_N, W]),
+            tl.make_tensor_descriptor(V, [D, v_len], [stride_vd, 1], [D, BLOCK_N]))
 
 
 @triton.jit
@@ -918,13 +947,11 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n
     # s = Q K^T with K's (column) scales; Q's row factor qscale (> 0) is applied inside the exp2's
     # FMA below, after the row max: max_j(s * qscale) = qscale * max_j(s) exactly.
     if K_FORMAT == "fp4_packed":  # E4M3 x E2M1, both with E8M0 block scales, in the tensor core
-        k = tl.load(K + (offs_n[:, None] * (HK * D // 2) + tl.arange(0, D // 2)[None, :]),
-                    mask=kmask[:, None], other=0)
-        k_e8 = tl.load(KB + (offs_n[:, None] * (HK * D // 32) + tl.arange(0, D // 32)[None, :]),
-                       mask=kmask[:, None], other=127)
+        k = _load_keys(K, start_n, k_len, HK * D // 2, D // 2, BLOCK_N, 0)
+        k_e8 = _load_keys(KB, start_n, k_len, HK * D // 32, D // 32, BLOCK_N, 127)
         s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), k_e8, "e2m1") * ek[None, :]
     else:
-        k = _load_keys(K, offs_n, kmask, HK, D)
+        k = _load_keys(K, start_n, k_len, HK * D, D, BLOCK_N)
         if DOT_SCALED:
             s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), _e8m0_blocks(ek, D), "e4m3")
         else:
@@ -942,7 +969,7 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n
         if PAIR_SAFEGUARD:  # pairs whose key block straddles the query position: per-token K, V
             same = visible & ((offs_n // BLOCK_TOKENS)[None, :] == (pos_q // BLOCK_TOKENS)[:, None])
             if K_FORMAT == "e4m3":  # FP4 K is per token already: only V has a per-token copy
-                ks = _load_keys(KS, offs_n, kmask, HK, D)
+                ks = _load_keys(KS, start_n, k_len, HK * D, D, BLOCK_N)
                 eks = tl.load(EKS + offs_n, mask=kmask, other=127)
                 if DOT_SCALED:
                     s_tok = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(ks), _e8m0_blocks(eks, D),
@@ -954,12 +981,6 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n
     m_new = tl.maximum(m_i, tl.max(s, 1) * qscale)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
     alpha = tl.exp2(m_i - m_use)
-    # V: fp8 token-transposed (rows of D channels, keys contiguous), or bf16 (T, H, D). The aligned
-    # document-local offset keeps its loads provably 16-byte aligned, and the mask (up to the
-    # document's zero-padded end, a multiple of 16) constant over 16 keys, so a masked load is
-    # still a pipelined 16-byte async copy (a per-key mask would make it a synchronous byte load).
-    v_offs = tl.arange(0, D)[None, :] * stride_vd + offs_n[:, None] * stride_vt
-    vmask = (offs_n < v_len)[:, None]
     if QUANT:
         if MASKED:  # ref_i: the max of V's exponents over the keys each row SEES
             ev_seen = tl.where(visible, ev[None, :], -1000)
@@ -987,13 +1008,14 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n
             l_i = l_i * alpha + tl.sum(p_ref, 1) * _exp2_int(ref_new + 119)  # x 2^(ref - 8)
         # one exp2 per row rescales for both the new softmax max and the new reference exponent
         acc = acc * tl.exp2((m_i - m_use) + (ref_i - ref_new).to(tl.float32))[:, None]
-        v = _load_values(V, v_offs, vmask, MASKED)  # loaded late: a shorter live range
+        # loaded late: a shorter live range
+        v = _load_values(V, start_n, v_len, stride_vd, stride_vt, D, BLOCK_N, MASKED)
         if ONE_SCALE:
             acc = tl.dot(p_v.to(tl.float8e4nv), v, acc)
         elif PAIR_SAFEGUARD:
             p_v = tl.where(same, 0.0, p_ref * _exp2_int(ev + 127)[None, :])
             acc = tl.dot(p_v.to(tl.float8e4nv), v, acc)
-            vs = tl.load(VS + v_offs, mask=vmask, other=0.0)
+            vs = _load_values(VS, start_n, v_len, stride_vd, stride_vt, D, BLOCK_N, True)
             p_v = tl.where(same, p_ref * _exp2_int(ev_tok + 127)[None, :], 0.0)
             acc = tl.dot(p_v.to(tl.float8e4nv), vs, acc)
         else:  # p_v = p * 2^(ev - ref + 8) <= 2^8: inside E4M3's range, no saturation
@@ -1002,7 +1024,7 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n
     else:
         p = tl.exp2(s * qscale[:, None] - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_values(V, v_offs, vmask, MASKED)
+        v = _load_values(V, start_n, v_len, stride_vd, stride_vt, D, BLOCK_N, MASKED)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, l_i, m_new, ref_i, ek_next, ev_next
 
@@ -1015,7 +1037,7 @@ def _attn_fwd(
         sm_scale_log2, T_Q, T_K, H, HK,  # softmax scale * log2(e); token and head counts
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED_N: tl.constexpr,
         BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, K_FORMAT: tl.constexpr,
-        SAFEGUARD: tl.constexpr, DOT_SCALED: tl.constexpr):
+        SAFEGUARD: tl.constexpr, DOT_SCALED: tl.constexpr, TMA: tl.constexpr):
     QUANT: tl.constexpr = K_FORMAT != "bf16"
     tile, h = tl.program_id(0), tl.program_id(1)
     hk = h // (H // HK)  # GQA: consecutive query heads share a K/V head
@@ -1028,8 +1050,12 @@ def _attn_fwd(
     offs_m = q_start + tl.arange(0, BLOCK_M)
     qmask = offs_m < q_end
     pos_q = offs_m - qd_start + shift  # each row's position on the document's key axis
-    q = tl.load(Q + (offs_m[:, None] * H + h) * D + tl.arange(0, D)[None, :], mask=qmask[:, None],
-                other=0.0)
+    if TMA:  # Blackwell, dot_scaled: TMA boxes of exactly this tile's rows (zeros past q_end)
+        q = tl.make_tensor_descriptor(Q + (q_start * H + h) * D, [q_end - q_start, D], [H * D, 1],
+                                      [BLOCK_M, D]).load([0, 0])
+    else:
+        q = tl.load(Q + (offs_m[:, None] * H + h) * D + tl.arange(0, D)[None, :],
+                    mask=qmask[:, None], other=0.0)
     q_e8 = q  # unused unless DOT_SCALED
     qscale = tl.full((BLOCK_M,), sm_scale_log2, tl.float32)  # S's row factor
     if DOT_SCALED:  # the tensor core applies Q's scale: the row factor is the softmax scale alone
@@ -1061,17 +1087,24 @@ def _attn_fwd(
     # Unmasked key tiles lie inside one scale block when B_t is a multiple of BLOCK_N (both are
     # aligned to the document start): then their scales are scalars.
     ONE_SCALE: tl.constexpr = K_FORMAT == "e4m3" and not DOT_SCALED and BLOCK_TOKENS % BLOCK_N == 0
+    K1, V1 = K, V
+    if TMA:
+        K1, V1 = _kv_descriptors(K, V, k_len, v_len, HK, stride_vd, D, BLOCK_N, K_FORMAT)
     ek, ev = _key_scales(EK, EV, 0, k_len, BLOCK_N, K_FORMAT, ONE_SCALE)
     for start_n in range(0, n_full, BLOCK_N):
         acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_step(
             acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n,
-            K, KB, EK, V, EV, KS, EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt,
+            K1, KB, EK, V1, EV, KS, EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt,
             D=D, BLOCK_N=BLOCK_N, BLOCK_TOKENS=BLOCK_TOKENS, CAUSAL=CAUSAL, MASKED=False,
             K_FORMAT=K_FORMAT, PAIR_SAFEGUARD=False, DOT_SCALED=DOT_SCALED, ONE_SCALE=ONE_SCALE)
     # Masked tiles (the diagonal) are MASKED_N keys wide: narrower tiles there waste fewer masked
     # pairs and keep the mask and safeguard temporaries within the register budget.
     if SAFEGUARD == "tile":  # every masked tile lies in the query tile's own key block
         K, EK, V, EV = KS, EKS, VS, EVS
+    if TMA:  # the masked tiles' boxes are MASKED_N keys wide
+        K, V = _kv_descriptors(K, V, k_len, v_len, HK, stride_vd, D, MASKED_N, K_FORMAT)
+        if SAFEGUARD == "pair":
+            KS, VS = _kv_descriptors(KS, VS, k_len, v_len, HK, stride_vd, D, MASKED_N, K_FORMAT)
     ek, ev = _key_scales(EK, EV, n_full, k_len, MASKED_N, K_FORMAT, False)
     for start_n in range(n_full, n_end, MASKED_N):
         acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_step(
@@ -1133,6 +1166,12 @@ def _decode_fp4(ops, dtype: torch.dtype) -> torch.Tensor:
     return (x.clamp(-65504.0, 65504.0) if dtype == torch.float16 else x).to(dtype)
 
 
+def _descriptor_scratch(size: int, alignment: int, stream):
+    """triton.set_allocator's allocator: device memory for tl.make_tensor_descriptor (on the
+    current device and stream, where Triton launches)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def _attn_forward(q, k, v, ops, plan: Plan, *, causal, softmax_scale, recipe, block_tokens,
                   safeguard, backend):
     """Launch the forward on the quantized operands `ops` (section 6's Operands; unused for bf16).
@@ -1172,12 +1211,14 @@ def _attn_forward(q, k, v, ops, plan: Plan, *, causal, softmax_scale, recipe, bl
                     *k_tok, *v_tok)
         strides_v = (D * plan.padded_k, plan.padded_k, 1)  # (H, D, T_pad) token-transposed
     tiles = plan.tiles(BLOCK_M, "q", causal)
+    if blackwell and q.is_cuda:  # the kernel writes its TMA descriptors to global scratch
+        triton.set_allocator(_descriptor_scratch)
     if tiles.shape[0] > 0:
         _attn_fwd[(tiles.shape[0], H)](
             *operands, o, lse, tiles, *strides_v, softmax_scale * 1.4426950408889634,  # log2(e)
             Tq, Tk, H, HK, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, MASKED_N=MASKED_N,
             BLOCK_TOKENS=block_tokens, CAUSAL=causal, K_FORMAT=k_format, SAFEGUARD=mode,
-            DOT_SCALED=dot_scaled, num_warps=warps, num_stages=stages)
+            DOT_SCALED=dot_scaled, TMA=blackwell, num_warps=warps, num_stages=stages)
     return o, lse
 
 
@@ -1426,8 +1467,8 @@ def _attn_bwd_dq_step(dq, q, do, lse2, delta, pos_q, start_n, K, V, KS, VS, K_SC
     """One key tile at document-local offset start_n (pointers at the document start and head)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     kmask = offs_n < k_len
-    k = _load_keys(K, offs_n, kmask, HK, D)
-    v = _load_keys(V, offs_n, kmask, HK, D)
+    k = _load_keys(K, start_n, k_len, HK * D, D, BLOCK_N)
+    v = _load_keys(V, start_n, k_len, HK * D, D, BLOCK_N)
     s = tl.dot(q, tl.trans(k))
     dp = tl.dot(do, tl.trans(v))
     if MASKED:
@@ -1437,9 +1478,9 @@ def _attn_bwd_dq_step(dq, q, do, lse2, delta, pos_q, start_n, K, V, KS, VS, K_SC
         if PAIR_SAFEGUARD:
             same = visible & ((offs_n // BLOCK_TOKENS)[None, :] == (pos_q // BLOCK_TOKENS)[:, None])
             if not K_SCALED:  # FP4 K is per token: its own copy
-                ks = _load_keys(KS, offs_n, kmask, HK, D)
+                ks = _load_keys(KS, start_n, k_len, HK * D, D, BLOCK_N)
                 s = tl.where(same, tl.dot(q, tl.trans(ks)), s)
-            vs = _load_keys(VS, offs_n, kmask, HK, D)
+            vs = _load_keys(VS, start_n, k_len, HK * D, D, BLOCK_N)
             dp = tl.where(same, tl.dot(do, tl.trans(vs)), dp)
         s = tl.where(visible, s, float("-inf"))
     if K_SCALED:  # FP4's second level: S and dQ = dS (s2 * K) both take it per key

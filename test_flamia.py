@@ -2195,10 +2195,12 @@ def test_blackwell_no_register_spills(bw_facts, config, kernel):
 
 
 @needs_bw
-@pytest.mark.xfail(strict=True, reason="not yet: K and V are loaded with cp.async; through "
-                   "tl.make_tensor_descriptor the mxfp8 forward compiled to TMA but spilled more")
-def test_blackwell_forward_tma(bw_facts):
-    assert _fact(bw_facts, "fwd-mxfp8-bt1-D128", "_attn_fwd")["tma"], "no cp.async.bulk.tensor (TMA)"
+@pytest.mark.parametrize("config", [c for c in BW_CONFIGS if c.startswith("fwd-mx")])
+def test_blackwell_forward_tma(bw_facts, config):
+    """Q, K and V (and the safeguard's per-token copies) come through TMA: per-document tensor
+    descriptors built in the kernel (tl.make_tensor_descriptor)."""
+    f = _fact(bw_facts, config, "_attn_fwd")
+    assert f["tma"], "no cp.async.bulk.tensor (TMA): " + f["what"]
 
 
 @needs_bw
