@@ -1186,7 +1186,7 @@ def _fwd_config(D: int, recipe: str, blackwell: bool = False):
     decomposes Q K^T into a bf16 MMA on K upcast in registers), and these are the widest key tiles
     with which 128 rows and 8 warps compile without spills (`bench.py --sm100`; never timed)."""
     if blackwell and recipe == "mxfp8":
-        return 128, 64, 32, 8, 3
+        return 128, 128, 32, 8, 3
     if blackwell and recipe == "mxfp4":
         return 128, 32, 32, 8, 3
     if recipe == "mxfp8":
