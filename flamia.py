@@ -176,7 +176,8 @@ def dequantize_fp4(packed: torch.Tensor, block_scale: torch.Tensor, s2=None) -> 
 # documents are legal). A scale block is `block_tokens` (B_t) consecutive tokens of ONE document and
 # ONE head, over the whole head dim; blocks restart at every document start, so no block, and no
 # statistic, ever spans two documents. Every token carries a copy of its block's E8M0 byte, stored
-# head-major (H, T) so that a kernel reads a tile's scales with one contiguous load.
+# head-major (H, T_padded) in the padded token layout (see padded_columns): a document starts at a
+# 16-aligned column, so a kernel reads a tile's scales in aligned wide loads, not byte by byte.
 BLOCK_TOKENS = (1, 32, 64, 128)
 DEFAULT_BLOCK_TOKENS = 1  # per token: the fastest on packed short documents (README)
 HEAD_DIMS = (64, 128)
@@ -380,6 +381,17 @@ def _doc_index(cu_seqlens: torch.Tensor, total: int):
     return doc, cu_seqlens.long()[doc]
 
 
+def padded_columns(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """(T,) int64: each token's column in the padded token layouts (exponent rows (H, T_padded),
+    token-transposed data (H, D, T_padded)): every document starts at a multiple of PAD_ALIGN
+    columns, its padding up to the next multiple holds an all-zero token (exponent 1), and columns
+    past the last document's padding are never written. On cu_seqlens' device, no host sync."""
+    doc, start = _doc_index(cu_seqlens, total)
+    cu = cu_seqlens.long()
+    pad_start = torch.cat([cu.new_zeros(1), torch.cumsum(_pad16(cu[1:] - cu[:-1]), 0)])
+    return pad_start[doc] + torch.arange(total, device=cu.device) - start
+
+
 def token_block_start(cu_seqlens: torch.Tensor, total: int, block_tokens: int) -> torch.Tensor:
     """(T,) int64: the first token of each token's scale block (document-local)."""
     _, start = _doc_index(cu_seqlens, total)
@@ -392,7 +404,8 @@ def token_block_start(cu_seqlens: torch.Tensor, total: int, block_tokens: int) -
 # quantize(x) for x of shape (T, H, D), block size B_t:
 #     amax[t, h]  = max_d |x[t, h, d]|                        (per token)
 #     amax_b      = max over the B_t-token block of t          (document-local)
-#     e[h, t]     = scale rule(amax_b)                         (E8M0 byte, one copy per token)
+#     e[h, t]     = scale rule(amax_b)                         (E8M0 byte, one copy per token,
+#                                                              at t's column of padded_columns)
 #     data[t,h,:] = E4M3(x[t, h, :] / 2^(e - 127))             (exact power-of-two division, RNE)
 # The same quantized tensor serves both matrix orientations: along the head dim its scale is
 # constant (a rank-1 post-scale of Q K^T), along tokens it changes only every B_t tokens (B_t = 32
@@ -400,14 +413,19 @@ def token_block_start(cu_seqlens: torch.Tensor, total: int, block_tokens: int) -
 # operand K-major, so the Triton quantizer also writes a token-transposed copy (H, D, T_padded) in
 # the same pass when asked (each document starting at a 16-token boundary, zero-padded).
 class MXFP8(NamedTuple):
-    """A quantized (T, H, D) tensor: data (T, H, D) float8_e4m3fn or None, exp (H, T) uint8 E8M0,
-    data_t (H, D, T_padded) float8_e4m3fn or None (token-transposed, documents 16-aligned)."""
+    """A quantized (T, H, D) tensor: data (T, H, D) float8_e4m3fn or None, exp (H, T_padded) uint8
+    E8M0 and data_t (H, D, T_padded) float8_e4m3fn or None (token-transposed), both in the padded
+    token layout (padded_columns of the documents x was quantized with)."""
     data: torch.Tensor
     exp: torch.Tensor
     data_t: torch.Tensor = None
 
-    def dequantize(self) -> torch.Tensor:
-        return self.data.float() * e8m0_to_float(self.exp).t()[..., None]
+    def token_exp(self, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """(H, T) the exponent of every token of the row-major data."""
+        return self.exp[:, padded_columns(cu_seqlens, self.data.shape[0])]
+
+    def dequantize(self, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        return self.data.float() * e8m0_to_float(self.token_exp(cu_seqlens)).t()[..., None]
 
 
 class FP4(NamedTuple):
@@ -435,7 +453,9 @@ def quantize_mxfp8_reference(x: torch.Tensor, cu_seqlens: torch.Tensor, block_to
         amax = amax.gather(0, idx)
     e = e8m0_exponent(amax)  # (T, H)
     inv = torch.ldexp(torch.ones_like(amax), 127 - e.int().clamp(max=253))  # 1/s, exact
-    return MXFP8(e4m3_encode(x.float() * inv[..., None], e[..., None]), e.t().contiguous())
+    exp = e.new_ones(H, padded_tokens(T, cu_seqlens.numel() - 1))  # padding: zero tokens, e = 1
+    exp[:, padded_columns(cu_seqlens, T)] = e.t()
+    return MXFP8(e4m3_encode(x.float() * inv[..., None], e[..., None]), exp)
 
 
 def transpose_tokens_reference(data: torch.Tensor, offsets: list) -> torch.Tensor:
@@ -522,14 +542,16 @@ def _load_quant_tile(X, TILES, stride_xt, stride_xh, D: tl.constexpr, ROWS: tl.c
 
 
 @triton.jit
-def _quantize_rows(x, amax, offs_t, in_doc, h, Y, E, T, H: tl.constexpr, D: tl.constexpr,
-                   WRITE_T: tl.constexpr):
-    """Quantizes rows x (tokens offs_t of head h) with their amax: stores the E8M0 bytes and,
-    unless WRITE_T (then _quantize_store stores them), the E4M3 data. Returns x / s in fp32."""
+def _quantize_rows(x, amax, offs_t, in_doc, col_shift, pad_end, h, Y, E, T_PAD, H: tl.constexpr,
+                   D: tl.constexpr, WRITE_T: tl.constexpr):
+    """Quantizes rows x (tokens offs_t of head h) with their amax: stores the E8M0 bytes (at
+    columns offs_t + col_shift of the padded layout, the document's padding as 1) and, unless
+    WRITE_T (then _quantize_store stores them), the E4M3 data. Returns x / s in fp32."""
     e = _scale_exponent(amax)
     inv = _exp2_int(254 - tl.minimum(e, 253))  # 1/s = 2^(127 - e), exact
     v = tl.where(e[:, None] == 255, float("nan"), x * inv[:, None])
-    tl.store(E + h * T + offs_t, e.to(tl.uint8), mask=in_doc)
+    col = offs_t + col_shift
+    tl.store(E + h * T_PAD + col, tl.where(in_doc, e, 1).to(tl.uint8), mask=col < pad_end)
     if not WRITE_T:  # one store: Triton's cast (RNE, saturating) is right here
         offs = (offs_t[:, None] * H + h) * D + tl.arange(0, D)[None, :]
         tl.store(Y + offs, v.to(tl.float8e4nv), mask=in_doc[:, None])
@@ -537,13 +559,18 @@ def _quantize_rows(x, amax, offs_t, in_doc, h, Y, E, T, H: tl.constexpr, D: tl.c
 
 
 @triton.jit
-def _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, pad_end, Y, E, YT, T, T_PAD,
-                    H: tl.constexpr, D: tl.constexpr, WRITE_T: tl.constexpr, PTX_CVT: tl.constexpr):
-    """Quantizes and stores the four token phases of a tile (rows offs_t + j of x_j, amax a_j)."""
-    v0 = _quantize_rows(x0, a0, offs_t, offs_t < end, h, Y, E, T, H, D, WRITE_T)
-    v1 = _quantize_rows(x1, a1, offs_t + 1, offs_t + 1 < end, h, Y, E, T, H, D, WRITE_T)
-    v2 = _quantize_rows(x2, a2, offs_t + 2, offs_t + 2 < end, h, Y, E, T, H, D, WRITE_T)
-    v3 = _quantize_rows(x3, a3, offs_t + 3, offs_t + 3 < end, h, Y, E, T, H, D, WRITE_T)
+def _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, shift, pad_end, Y, E, YT,
+                    T_PAD, H: tl.constexpr, D: tl.constexpr, WRITE_T: tl.constexpr,
+                    PTX_CVT: tl.constexpr):
+    """Quantizes and stores the four token phases of a tile (rows offs_t + j of x_j, amax a_j);
+    p0: the tile's first padded column, shift: token -> padded column."""
+    v0 = _quantize_rows(x0, a0, offs_t, offs_t < end, shift, pad_end, h, Y, E, T_PAD, H, D, WRITE_T)
+    v1 = _quantize_rows(x1, a1, offs_t + 1, offs_t + 1 < end, shift, pad_end, h, Y, E, T_PAD, H, D,
+                        WRITE_T)
+    v2 = _quantize_rows(x2, a2, offs_t + 2, offs_t + 2 < end, shift, pad_end, h, Y, E, T_PAD, H, D,
+                        WRITE_T)
+    v3 = _quantize_rows(x3, a3, offs_t + 3, offs_t + 3 < end, shift, pad_end, h, Y, E, T_PAD, H, D,
+                        WRITE_T)
     if WRITE_T:  # tokens 4i..4i+3 of channel d, first in the low byte: one int32 per (i, d)
         w = _e4m3_word(v0, v1, v2, v3, PTX_CVT)
         # Over the document's whole padded range, zeros past its end: the padding is defined data,
@@ -557,8 +584,8 @@ def _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, pad_end,
 @triton.jit
 def _quantize_kernel(
         X, TILES,  # input (T, H, D) and the Plan's 128-token tiles
-        Y, E, YT, Y_TOK, E_TOK, YT_TOK,  # data (T,H,D), exp (H,T), data_t (H,D,T_PAD); *_TOK: B_t=1
-        stride_xt, stride_xh, T, T_PAD,
+        Y, E, YT, Y_TOK, E_TOK, YT_TOK,  # data (T, H, D), exp, data_t (padded); *_TOK: B_t = 1
+        stride_xt, stride_xh, T_PAD,
         H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
         WRITE_T: tl.constexpr, WRITE_TOK: tl.constexpr, PTX_CVT: tl.constexpr):
     # The tile is read as four token phases, x_j = rows 4i + j, all in one register layout, so the
@@ -575,16 +602,16 @@ def _quantize_kernel(
     pad_end = doc_pad + _pad16_dev(tl.load(row + OWN_END) - doc_start)
     p0 = doc_pad + (tl.load(row + TILE_START) - doc_start)  # the tile's first padded position
     if WRITE_TOK:  # the per-token copy the causal safeguard uses on the diagonal
-        _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, pad_end,
-                        Y_TOK, E_TOK, YT_TOK, T, T_PAD, H, D, WRITE_T, PTX_CVT)
+        _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, doc_pad - doc_start,
+                        pad_end, Y_TOK, E_TOK, YT_TOK, T_PAD, H, D, WRITE_T, PTX_CVT)
     if BLOCK_TOKENS > 1:  # the tile starts at a block boundary and holds BLOCK_T // B_t blocks
         amax = tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3))  # tokens 4i..4i+3
         NB: tl.constexpr = BLOCK_T // BLOCK_TOKENS
         amax = tl.max(tl.reshape(amax, (NB, BLOCK_TOKENS // 4)), axis=1)
         a0 = tl.reshape(tl.broadcast_to(amax[:, None], (NB, BLOCK_TOKENS // 4)), (Q,))
         a1, a2, a3 = a0, a0, a0
-    _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, pad_end, Y, E, YT, T, T_PAD,
-                    H, D, WRITE_T, PTX_CVT)
+    _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, doc_pad - doc_start,
+                    pad_end, Y, E, YT, T_PAD, H, D, WRITE_T, PTX_CVT)
 
 
 def _side_total(plan: Plan, side: str, x: torch.Tensor) -> None:
@@ -615,7 +642,7 @@ def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str
 
     def alloc():
         return MXFP8(None if transposed else torch.empty(T, H, D, dtype=f8, device=x.device),
-                     torch.empty(H, T, dtype=torch.uint8, device=x.device),
+                     torch.empty(H, t_pad, dtype=torch.uint8, device=x.device),
                      torch.empty(H, D, t_pad, dtype=f8, device=x.device) if transposed else None)
     out = alloc()
     tok = alloc() if per_token_copy else out
@@ -624,7 +651,7 @@ def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str
         data = lambda m: m.data_t if transposed else m.data
         _quantize_kernel[(tiles.shape[0], H)](
             x, tiles, data(out), out.exp, data(out), data(tok), tok.exp, data(tok),
-            x.stride(0), x.stride(1), T, t_pad, H=H, D=D, BLOCK_T=QUANT_TILE,
+            x.stride(0), x.stride(1), t_pad, H=H, D=D, BLOCK_T=QUANT_TILE,
             BLOCK_TOKENS=block_tokens, WRITE_T=transposed, WRITE_TOK=per_token_copy,
             PTX_CVT=not INTERPRETED,
             num_warps=8)  # 4 warps spill with the per-token copy
@@ -733,7 +760,7 @@ def _rotate_qk(q, k, softmax_scale):
 # tested against it, and it is the CPU path. Quantizers are straight-through (identity gradient),
 # so autograd through it gives the gradients the kernels must reproduce.
 def _fake_quant(x: torch.Tensor, cu_seqlens: torch.Tensor, block_tokens: int) -> torch.Tensor:
-    deq = quantize_mxfp8_reference(x.detach(), cu_seqlens, block_tokens).dequantize()  # exact
+    deq = quantize_mxfp8_reference(x.detach(), cu_seqlens, block_tokens).dequantize(cu_seqlens)
     return x.float() + (deq - x.float()).detach()  # straight-through estimator
 
 
@@ -880,22 +907,42 @@ def _load_values(V, start_n, v_len, stride_vd, stride_vt, D: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _key_scales(EK, EV, n0, k_len, BLOCK_N: tl.constexpr, K_FORMAT: tl.constexpr,
-                ONE_SCALE: tl.constexpr):
+def _load_e8m0(E, n0, n_valid, other: tl.constexpr, BLOCK: tl.constexpr, WORDS: tl.constexpr):
+    """E[n0 + i], i < BLOCK, as int32 (`other` from n_valid on) from an E8M0 row in the padded
+    layout: E + n0 is 16-byte aligned and n_valid a multiple of 16. WORDS (Blackwell): read in
+    aligned little-endian 32-bit words, where Triton would load each byte the MMA's scale layout
+    holds on its own; on Hopper that unpacking costs more registers than the bytes save."""
+    if WORDS:
+        words = n0 // 4 + tl.arange(0, BLOCK // 4)
+        w = tl.load(E.to(tl.pointer_type(tl.int32), bitcast=True) + words,
+                    mask=words * 4 < n_valid, other=other * 0x01010101)
+        e = tl.reshape((w[:, None] >> (tl.arange(0, 4) * 8)[None, :]) & 0xFF, (BLOCK,))
+    else:
+        offs = n0 + tl.arange(0, BLOCK)
+        e = tl.load(E + offs, mask=offs < n_valid, other=other).to(tl.int32)
+    return e
+
+
+@triton.jit
+def _key_scales(EK, EV, n0, k_len, v_len, BLOCK_N: tl.constexpr, K_FORMAT: tl.constexpr,
+                ONE_SCALE: tl.constexpr, WORDS: tl.constexpr):
     """The scales of the key tile starting at n0: K's (E8M0 byte as int32, or FP4's FP32 second
     level) and V's unbiased exponent (-126 past the document: it never raises ref_i). ONE_SCALE:
-    the tile lies inside one scale block (B_t a multiple of the tile width): scalars."""
-    offs_n = n0 if ONE_SCALE else n0 + tl.arange(0, BLOCK_N)
-    kmask = offs_n < k_len
+    the tile lies inside one scale block (B_t a multiple of the tile width): scalars. E8M0 rows
+    start at the document's 16-aligned column and end at its padded end v_len (_load_e8m0)."""
     if K_FORMAT == "bf16":
         ek = tl.zeros((BLOCK_N,), tl.int32)
         ev = ek
+    elif ONE_SCALE:
+        ek = tl.load(EK + n0, mask=n0 < v_len, other=127).to(tl.int32)
+        ev = tl.load(EV + n0, mask=n0 < v_len, other=1).to(tl.int32) - 127
     else:
         if K_FORMAT == "e4m3":
-            ek = tl.load(EK + offs_n, mask=kmask, other=127).to(tl.int32)
-        else:
-            ek = tl.load(EK + offs_n, mask=kmask, other=1.0)
-        ev = tl.load(EV + offs_n, mask=kmask, other=1).to(tl.int32) - 127
+            ek = _load_e8m0(EK, n0, v_len, 127, BLOCK_N, WORDS)
+        else:  # FP4's second level is token-indexed (HK, Tk) fp32
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            ek = tl.load(EK + offs_n, mask=offs_n < k_len, other=1.0)
+        ev = _load_e8m0(EV, n0, v_len, 1, BLOCK_N, WORDS) - 127
     return ek, ev
 
 
@@ -943,7 +990,8 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n
     start_n = tl.multiple_of(start_n, BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)  # document-local key positions
     kmask = offs_n < k_len
-    ek_next, ev_next = _key_scales(EK, EV, start_n + BLOCK_N, k_len, BLOCK_N, K_FORMAT, ONE_SCALE)
+    ek_next, ev_next = _key_scales(EK, EV, start_n + BLOCK_N, k_len, v_len, BLOCK_N, K_FORMAT,
+                                   ONE_SCALE, DOT_SCALED)
     # s = Q K^T with K's (column) scales; Q's row factor qscale (> 0) is applied inside the exp2's
     # FMA below, after the row max: max_j(s * qscale) = qscale * max_j(s) exactly.
     if K_FORMAT == "fp4_packed":  # E4M3 x E2M1, both with E8M0 block scales, in the tensor core
@@ -970,7 +1018,7 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n
             same = visible & ((offs_n // BLOCK_TOKENS)[None, :] == (pos_q // BLOCK_TOKENS)[:, None])
             if K_FORMAT == "e4m3":  # FP4 K is per token already: only V has a per-token copy
                 ks = _load_keys(KS, start_n, k_len, HK * D, D, BLOCK_N)
-                eks = tl.load(EKS + offs_n, mask=kmask, other=127)
+                eks = _load_e8m0(EKS, start_n, v_len, 127, BLOCK_N, DOT_SCALED)
                 if DOT_SCALED:
                     s_tok = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(ks), _e8m0_blocks(eks, D),
                                           "e4m3")
@@ -985,7 +1033,7 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n
         if MASKED:  # ref_i: the max of V's exponents over the keys each row SEES
             ev_seen = tl.where(visible, ev[None, :], -1000)
             if PAIR_SAFEGUARD:
-                ev_tok = tl.load(EVS + offs_n, mask=kmask, other=1).to(tl.int32) - 127
+                ev_tok = _load_e8m0(EVS, start_n, v_len, 1, BLOCK_N, DOT_SCALED) - 127
                 ev_seen = tl.where(same, ev_tok[None, :], ev_seen)
             ref_new = tl.maximum(ref_i, tl.max(ev_seen, 1))
         elif ONE_SCALE:
@@ -1035,6 +1083,7 @@ def _attn_fwd(
         O, LSE, TILES,  # outputs (Tq, H, D) and (H, Tq) natural-log LSE; the Plan's query tiles
         stride_vh, stride_vd, stride_vt,  # V: token-transposed (H, D, T_pad) if fp8, else (T, H, D)
         sm_scale_log2, T_Q, T_K, H, HK,  # softmax scale * log2(e); token and head counts
+        T_QPAD, T_KPAD,  # lengths of the padded token layouts (E8M0 rows, V^T)
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED_N: tl.constexpr,
         BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, K_FORMAT: tl.constexpr,
         SAFEGUARD: tl.constexpr, DOT_SCALED: tl.constexpr, TMA: tl.constexpr):
@@ -1058,10 +1107,14 @@ def _attn_fwd(
                     mask=qmask[:, None], other=0.0)
     q_e8 = q  # unused unless DOT_SCALED
     qscale = tl.full((BLOCK_M,), sm_scale_log2, tl.float32)  # S's row factor
+    if QUANT:  # Q's E8M0 row, from the tile's 16-aligned column to the document's padded end
+        q_col = tl.multiple_of(tl.load(row + OWN_PAD) + (q_start - qd_start), 16)
+        eq = _load_e8m0(EQ + h * T_QPAD + q_col, 0, _pad16_dev(q_end - q_start), 127, BLOCK_M,
+                        DOT_SCALED)
     if DOT_SCALED:  # the tensor core applies Q's scale: the row factor is the softmax scale alone
-        q_e8 = _e8m0_blocks(tl.load(EQ + h * T_Q + offs_m, mask=qmask, other=127), D)
+        q_e8 = _e8m0_blocks(eq, D)
     elif QUANT:
-        qscale *= _exp2_int(tl.load(EQ + h * T_Q + offs_m, mask=qmask, other=127).to(tl.int32))
+        qscale *= _exp2_int(eq.to(tl.int32))
         if K_FORMAT == "fp4_decoded":  # K is bf16: E4M3 -> bf16 is exact
             q = q.to(tl.bfloat16)
     # Pointers at this document's first key and this K/V head. fp8 V is token-transposed, the
@@ -1075,8 +1128,9 @@ def _attn_fwd(
     else:
         k_row = (kd_start * HK + hk) * D
     K, KS, KB = K + k_row, KS + k_row, KB + (kd_start * HK + hk) * (D // 32)
-    EK, EV, EKS, EVS = (EK + hk * T_K + kd_start, EV + hk * T_K + kd_start,
-                        EKS + hk * T_K + kd_start, EVS + hk * T_K + kd_start)
+    e_row = hk * T_KPAD + v_base  # E8M0 rows: padded, like V^T
+    EK = EK + (e_row if K_FORMAT == "e4m3" else hk * T_K + kd_start)  # FP4: (HK, Tk) fp32
+    EV, EKS, EVS = EV + e_row, EKS + e_row, EVS + e_row
     V, VS = V + hk * stride_vh + v_base * stride_vt, VS + hk * stride_vh + v_base * stride_vt
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -1090,7 +1144,7 @@ def _attn_fwd(
     K1, V1 = K, V
     if TMA:
         K1, V1 = _kv_descriptors(K, V, k_len, v_len, HK, stride_vd, D, BLOCK_N, K_FORMAT)
-    ek, ev = _key_scales(EK, EV, 0, k_len, BLOCK_N, K_FORMAT, ONE_SCALE)
+    ek, ev = _key_scales(EK, EV, 0, k_len, v_len, BLOCK_N, K_FORMAT, ONE_SCALE, DOT_SCALED)
     for start_n in range(0, n_full, BLOCK_N):
         acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_step(
             acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n,
@@ -1105,7 +1159,7 @@ def _attn_fwd(
         K, V = _kv_descriptors(K, V, k_len, v_len, HK, stride_vd, D, MASKED_N, K_FORMAT)
         if SAFEGUARD == "pair":
             KS, VS = _kv_descriptors(KS, VS, k_len, v_len, HK, stride_vd, D, MASKED_N, K_FORMAT)
-    ek, ev = _key_scales(EK, EV, n_full, k_len, MASKED_N, K_FORMAT, False)
+    ek, ev = _key_scales(EK, EV, n_full, k_len, v_len, MASKED_N, K_FORMAT, False, DOT_SCALED)
     for start_n in range(n_full, n_end, MASKED_N):
         acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_step(
             acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n,
@@ -1132,7 +1186,7 @@ def _fwd_config(D: int, recipe: str, blackwell: bool = False):
     decomposes Q K^T into a bf16 MMA on K upcast in registers), and these are the widest key tiles
     with which 128 rows and 8 warps compile without spills (`bench.py --sm100`; never timed)."""
     if blackwell and recipe == "mxfp8":
-        return 128, 64, 32, 8, 3
+        return 128, 128, 32, 8, 3
     if blackwell and recipe == "mxfp4":
         return 128, 32, 32, 8, 3
     if recipe == "mxfp8":
@@ -1216,9 +1270,10 @@ def _attn_forward(q, k, v, ops, plan: Plan, *, causal, softmax_scale, recipe, bl
     if tiles.shape[0] > 0:
         _attn_fwd[(tiles.shape[0], H)](
             *operands, o, lse, tiles, *strides_v, softmax_scale * 1.4426950408889634,  # log2(e)
-            Tq, Tk, H, HK, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, MASKED_N=MASKED_N,
-            BLOCK_TOKENS=block_tokens, CAUSAL=causal, K_FORMAT=k_format, SAFEGUARD=mode,
-            DOT_SCALED=dot_scaled, TMA=blackwell, num_warps=warps, num_stages=stages)
+            Tq, Tk, H, HK, plan.padded_q, plan.padded_k, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            MASKED_N=MASKED_N, BLOCK_TOKENS=block_tokens, CAUSAL=causal, K_FORMAT=k_format,
+            SAFEGUARD=mode, DOT_SCALED=dot_scaled, TMA=blackwell, num_warps=warps,
+            num_stages=stages)
     return o, lse
 
 
@@ -1236,7 +1291,12 @@ except Exception as e:  # absent, or this triton's Gluon API differs from the on
 
 def gluon_unavailable_reason():
     """None where backend="gluon" runs (flamia_hopper.py, triton 3.6, sm_90), else why not."""
-    return _GLUON_IMPORT_ERROR if flamia_hopper is None else flamia_hopper.unavailable_reason()
+    if flamia_hopper is None:
+        return _GLUON_IMPORT_ERROR
+    if not getattr(flamia_hopper, "PADDED_EXPONENTS", False):  # never read another layout
+        return ("flamia_hopper.py reads E8M0 rows as (H, T), token-indexed; the Operands' rows "
+                "are in the padded token layout (padded_columns)")
+    return flamia_hopper.unavailable_reason()
 
 
 def _attn_forward_gluon(q, k, v, ops, plan, o, lse, *, causal, softmax_scale, recipe, block_tokens,
@@ -1290,25 +1350,25 @@ def _delta_kernel(O, DO, DELTA, T, H, D: tl.constexpr, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _dequantize_kernel(X, E, Y, TILES, T, T_PAD, H: tl.constexpr, D: tl.constexpr,
+def _dequantize_kernel(X, E, Y, TILES, T_PAD, H: tl.constexpr, D: tl.constexpr,
                        BLOCK_T: tl.constexpr, TRANSPOSED: tl.constexpr, FP16: tl.constexpr):
     """Y = E4M3 data times 2^(E - 127) per (token, head), in Y's dtype (exact in bf16), over one
     Plan tile of tokens. X is the row-major data (T, H, D), or with TRANSPOSED the token-transposed
-    copy (H, D, T_pad), read along tokens and transposed in registers."""
+    copy (H, D, T_pad), read along tokens and transposed in registers; E is (H, T_pad)."""
     tile, h = tl.program_id(0), tl.program_id(1)
     row = TILES + tile * 8
     start, end = tl.load(row + TILE_START), tl.load(row + TILE_END)
     offs = tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, D)
     mask = start + offs < end
+    p0 = tl.load(row + OWN_PAD) + (start - tl.load(row + OWN_START))  # first padded position
     if TRANSPOSED:
-        p0 = tl.load(row + OWN_PAD) + (start - tl.load(row + OWN_START))  # first padded position
         x = tl.trans(tl.load(X + (h * D + offs_d[:, None]) * T_PAD + p0 + offs[None, :],
                              mask=mask[None, :], other=0.0).to(tl.float32))
     else:
         x = tl.load(X + ((start + offs[:, None]) * H + h) * D + offs_d[None, :], mask=mask[:, None],
                     other=0.0).to(tl.float32)
-    e = tl.load(E + h * T + start + offs, mask=mask, other=127).to(tl.int32)
+    e = tl.load(E + h * T_PAD + p0 + offs, mask=mask, other=127).to(tl.int32)
     y = x * _exp2_int(e)[:, None]
     if FP16:  # a value within a rounding step of fp16's max can dequantize past it: keep it finite
         y = tl.where(y > 65504.0, 65504.0, tl.where(y < -65504.0, -65504.0, y))  # NaN stays NaN
@@ -1327,16 +1387,16 @@ def _delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
 def _dequantize(x: MXFP8, dtype: torch.dtype, plan: Plan, side: str) -> torch.Tensor:
     """The Triton twin of MXFP8.dequantize(), into bf16 / fp16 for the backward's MMAs; from the
     row-major data, or from the token-transposed copy when that is all there is (V)."""
-    H, T = x.exp.shape
+    H, t_pad = x.exp.shape
+    T = plan.total_q if side == "q" else plan.total_k
     transposed = x.data is None
     D = x.data_t.shape[1] if transposed else x.data.shape[2]
     y = torch.empty(T, H, D, dtype=dtype, device=x.exp.device)
     tiles = plan.tiles(QUANT_TILE, side, causal=False, skip_masked=False)
     if tiles.shape[0] > 0:
         _dequantize_kernel[(tiles.shape[0], H)](
-            x.data_t if transposed else x.data, x.exp, y, tiles, T,
-            x.data_t.shape[-1] if transposed else T, H=H, D=D, BLOCK_T=QUANT_TILE,
-            TRANSPOSED=transposed, FP16=dtype == torch.float16, num_warps=8)
+            x.data_t if transposed else x.data, x.exp, y, tiles, t_pad, H=H, D=D,
+            BLOCK_T=QUANT_TILE, TRANSPOSED=transposed, FP16=dtype == torch.float16, num_warps=8)
     return y
 
 
@@ -1618,19 +1678,19 @@ class Operands(NamedTuple):
     """The forward's quantized operands, reused by the backward. Unused slots are empty tensors
     (custom-op outputs can be neither None nor aliases of each other)."""
     q: torch.Tensor  # (Tq, H, D) E4M3
-    q_exp: torch.Tensor  # (H, Tq) uint8 E8M0, per token
+    q_exp: torch.Tensor  # (H, Tq_pad) uint8 E8M0, per token; *_pad: the padded token layout
     k: torch.Tensor  # mxfp8: (Tk, Hk, D) E4M3; FP4: (Tk, Hk, D/2) uint8, two E2M1 per byte
-    k_exp: torch.Tensor  # mxfp8: (Hk, Tk) uint8 E8M0 per block; FP4: (Hk, Tk) fp32 second level
+    k_exp: torch.Tensor  # mxfp8: (Hk, Tk_pad) uint8 E8M0 per block; FP4: (Hk, Tk) fp32 2nd level
     k_block: torch.Tensor  # FP4: block scales, (Tk, Hk, D/16) E4M3 or (Tk, Hk, D/32) E8M0
     k_tok: torch.Tensor  # mxfp8 with the safeguard: K quantized per token ...
     k_tok_exp: torch.Tensor  # ... and its exponents
-    v_t: torch.Tensor  # (Hk, D, T_pad) E4M3, token-transposed, documents 16-aligned
-    v_exp: torch.Tensor  # (Hk, Tk) uint8 E8M0 per block
+    v_t: torch.Tensor  # (Hk, D, Tk_pad) E4M3, token-transposed
+    v_exp: torch.Tensor  # (Hk, Tk_pad) uint8 E8M0 per block
     v_tok_t: torch.Tensor  # with the safeguard: V quantized per token, token-transposed ...
     v_tok_exp: torch.Tensor  # ... and its exponents
 
 
-def _operand_layout(recipe: Recipe, copies: bool, Tq, Tk, H, HK, D, t_pad) -> Operands:
+def _operand_layout(recipe: Recipe, copies: bool, Tq, Tk, H, HK, D, q_pad, k_pad) -> Operands:
     """(shape, dtype) of every slot of Operands; copies: the safeguard's per-token copies exist."""
     f8, u8, f32 = torch.float8_e4m3fn, torch.uint8, torch.float32
     unused = ((0,), f32)
@@ -1641,11 +1701,11 @@ def _operand_layout(recipe: Recipe, copies: bool, Tq, Tk, H, HK, D, t_pad) -> Op
                                  else (D // MXFP4_BLOCK, u8))
         k = [((Tk, HK, D // 2), u8), ((HK, Tk), f32), ((Tk, HK, n_blocks), block_dtype)]
     else:
-        k = [((Tk, HK, D), f8), ((HK, Tk), u8), unused]
+        k = [((Tk, HK, D), f8), ((HK, k_pad), u8), unused]
     k_tok = k[:2] if copies and not recipe.k_fp4 else [unused, unused]
-    v = [((HK, D, t_pad), f8), ((HK, Tk), u8)]
+    v = [((HK, D, k_pad), f8), ((HK, k_pad), u8)]
     v_tok = v if copies else [unused, unused]
-    return Operands(((Tq, H, D), f8), ((H, Tq), u8), *k, *k_tok, *v, *v_tok)
+    return Operands(((Tq, H, D), f8), ((H, q_pad), u8), *k, *k_tok, *v, *v_tok)
 
 
 def _empty_operands(layout: Operands, like: torch.Tensor) -> Operands:
@@ -1725,7 +1785,8 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: tor
         ops = _quantize_operands(q, k, v, plan, r, block_tokens, copies)
     else:
         ops = _empty_operands(_operand_layout(r, copies, q.shape[0], k.shape[0], q.shape[1],
-                                              k.shape[1], q.shape[2], plan.padded_k), q)
+                                              k.shape[1], q.shape[2], plan.padded_q,
+                                              plan.padded_k), q)
     o, lse = _attn_forward(q, k, v, ops, plan, causal=causal, softmax_scale=softmax_scale,
                            recipe=recipe, block_tokens=block_tokens, safeguard=safeguard,
                            backend=backend)
@@ -1737,8 +1798,9 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale, recipe,
       safeguard, backend, check_finite):
     (Tq, H, D), (Tk, HK) = q.shape, k.shape[:2]
     r = _RECIPES[recipe]
+    n_docs = cu_seqlens_k.shape[0] - 1
     layout = _operand_layout(r, _token_copies(r, causal, safeguard, block_tokens), Tq, Tk, H, HK, D,
-                             padded_tokens(Tk, cu_seqlens_k.shape[0] - 1))
+                             padded_tokens(Tq, n_docs), padded_tokens(Tk, n_docs))
     return [torch.empty_like(q), q.new_empty(H, Tq, dtype=torch.float32),
             *_empty_operands(layout, q)]
 
