@@ -81,6 +81,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (tma, mbarrier, war
                                                               warpgroup_mma_wait)
 
 
+# flamia.py checks this: the exponent rows are read in its padded token layout (H, T_padded).
+PADDED_EXPONENTS = True
+
+
 def unavailable_reason():
     """None where the Gluon forward can run (triton 3.6, an sm_90 GPU), else why not."""
     if not triton.__version__.startswith("3.6"):
@@ -112,20 +116,20 @@ def _exp2_int(e):
     return (e << 23).to(gl.float32, bitcast=True)
 
 @gluon.jit
-def _stage_scales(EK, EV, EKS, EVS, sk_slot, ev_slot, hk, T_K, n0, kd_end, per_token,
+def _stage_scales(EK, EV, EKS, EVS, sk_slot, ev_slot, n0, kd_end, per_token,
                   BLOCK_N: gl.constexpr):
     """Loader: the key tile's scales into its ring slot, ready for the softmax (2^(ek-127) fp32,
-    ev-127 int32)."""
+    ev-127 int32). The exponent pointers are indexed by token (see _attn_fwd_hopper)."""
     sl: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])
     offs = n0 + gl.arange(0, BLOCK_N, layout=sl)
     # past the document: ek -> 2^0, ev -> -126 (never raises the reference exponent)
     km = offs < kd_end
     if per_token:  # diagonal tiles of B_t=128: the per-token copies
-        ek = gl.load(EKS + hk * T_K + offs, mask=km, other=127)
-        ev = gl.load(EVS + hk * T_K + offs, mask=km, other=1)
+        ek = gl.load(EKS + offs, mask=km, other=127)
+        ev = gl.load(EVS + offs, mask=km, other=1)
     else:
-        ek = gl.load(EK + hk * T_K + offs, mask=km, other=127)
-        ev = gl.load(EV + hk * T_K + offs, mask=km, other=1)
+        ek = gl.load(EK + offs, mask=km, other=127)
+        ev = gl.load(EV + offs, mask=km, other=1)
     sk_slot.store(_exp2_int(ek.to(gl.int32)))
     ev_slot.store(ev.to(gl.int32) - 127)
 
@@ -134,7 +138,7 @@ def _stage_scales(EK, EV, EKS, EVS, sk_slot, ev_slot, hk, T_K, n0, kd_end, per_t
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, ks_desc, vs_desc, q_s, k_s, v_s, sk_s, ev_s, q_bar,
-            k_ready, v_ready, sc_ready, kv_empty, EK, EV, EKS, EVS, T_K, q_start, h, hk,
+            k_ready, v_ready, sc_ready, kv_empty, EK, EV, EKS, EVS, q_start, h, hk,
             kd_start, kd_end, v_base, n_kt, n_unmasked,
             D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QUANT: gl.constexpr,
             TILE_SAFEGUARD: gl.constexpr):
@@ -173,7 +177,7 @@ def _loader(q_desc, k_desc, v_desc, ks_desc, vs_desc, q_s, k_s, v_s, sk_s, ev_s,
             # this warp loads them (it runs STAGES tiles ahead, which hides the latency) and stages
             # 2^(ek-127) as fp32 and ev - 127 as int32, so that the consumers do no global loads and
             # no conversions.
-            _stage_scales(EK, EV, EKS, EVS, sk_s.index(s), ev_s.index(s), hk, T_K, n0, kd_end,
+            _stage_scales(EK, EV, EKS, EVS, sk_s.index(s), ev_s.index(s), n0, kd_end,
                           TILE_SAFEGUARD and j >= n_unmasked, BLOCK_N)
             mbarrier.arrive(sc_ready.index(s), count=1)
 
@@ -299,7 +303,7 @@ def _step(j, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, k_s, v_s, k_rea
 
 @gluon.jit
 def _consumer(q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_empty,
-              EQ, EK, EV, O, LSE, sm_scale_log2, T_Q, T_K, H,
+              EQ, EK, EV, O, LSE, sm_scale_log2, T_Q, H,
               h, hk, q_start, q_end, qd_start, kd_start, kd_end, shift, n_kt, n_unmasked,
               WG: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr, QUANT: gl.constexpr, ONE_SCALE: gl.constexpr):
@@ -310,7 +314,7 @@ def _consumer(q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_e
     rows = q_start + WG * 64 + gl.arange(0, 64, layout=row_l)
     qmask = rows < q_end
     if QUANT:
-        qscale = (_exp2_int(gl.load(EQ + h * T_Q + rows, mask=qmask, other=127).to(gl.int32))
+        qscale = (_exp2_int(gl.load(EQ + rows, mask=qmask, other=127).to(gl.int32))
                   * sm_scale_log2)
     else:
         qscale = gl.full([64], 1.0, gl.float32, row_l) * sm_scale_log2
@@ -322,8 +326,8 @@ def _consumer(q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_e
     mbarrier.wait(q_bar.index(WG), 0)
     q = q_s.index(WG)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(_issue_s(0, q, k_s, k_ready, BLOCK_N, STAGES),))
-    EKd = EK + hk * T_K + kd_start  # this K/V head's exponents at the document start
-    EVd = EV + hk * T_K + kd_start
+    EKd = EK + kd_start  # the exponents of this document's first key
+    EVd = EV + kd_start
     ek1 = 0
     ev1 = 0
     if ONE_SCALE:
@@ -378,7 +382,7 @@ def _consumer(q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_e
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
 def _attn_fwd_hopper(q_desc, k_desc, v_desc, ks_desc, vs_desc, EQ, EK, EV, EKS, EVS, O, LSE, TILES,
-                     sm_scale_log2, T_Q, T_K, H, HK,
+                     sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK,
                      D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, QUANT: gl.constexpr,
                      TILE_SAFEGUARD: gl.constexpr):
@@ -393,6 +397,16 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, ks_desc, vs_desc, EQ, EK, EV, EKS, 
     kd_start = gl.load(row + 4)
     kd_end = gl.load(row + 5)
     v_base = gl.load(row + 6) if QUANT else kd_start
+    if QUANT:
+        # Exponent rows (H, T_padded) use the padded token layout (a document at its 16-aligned
+        # column OWN_PAD / OTHER_PAD): pointers shifted here so that the code below indexes them
+        # by token, this head's row and document included.
+        EQ = EQ + h * T_QPAD + (gl.load(row + 7) - qd_start)
+        col = hk * T_KPAD + (v_base - kd_start)
+        EK = EK + col
+        EV = EV + col
+        EKS = EKS + col
+        EVS = EVS + col
     shift = (kd_end - kd_start) - (qd_end - qd_start)
     kd_len = kd_end - kd_start
     # flamia's _key_range for 128-row query tiles and BLOCK_N-key tiles
@@ -434,15 +448,15 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, ks_desc, vs_desc, EQ, EK, EV, EKS, 
     WG1: gl.constexpr = 1
     gl.warp_specialize([
         (_consumer, (q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_empty,
-                     EQ, EK, EV, O, LSE, sm_scale_log2, T_Q, T_K, H,
+                     EQ, EK, EV, O, LSE, sm_scale_log2, T_Q, H,
                      h, hk, q_start, q_end, qd_start, kd_start, kd_end, shift, n_kt, n_unmasked,
                      WG0, D, BLOCK_N, STAGES, CAUSAL, QUANT, ONE_SCALE)),
         (_consumer, (q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_empty,
-                     EQ, EK, EV, O, LSE, sm_scale_log2, T_Q, T_K, H,
+                     EQ, EK, EV, O, LSE, sm_scale_log2, T_Q, H,
                      h, hk, q_start, q_end, qd_start, kd_start, kd_end, shift, n_kt, n_unmasked,
                      WG1, D, BLOCK_N, STAGES, CAUSAL, QUANT, ONE_SCALE)),
         (_loader, (q_desc, k_desc, v_desc, ks_desc, vs_desc, q_s, k_s, v_s, sk_s, ev_s, q_bar,
-                   k_ready, v_ready, sc_ready, kv_empty, EK, EV, EKS, EVS, T_K, q_start, h, hk,
+                   k_ready, v_ready, sc_ready, kv_empty, EK, EV, EKS, EVS, q_start, h, hk,
                    kd_start, kd_end, v_base, n_kt, n_unmasked,
                    D, BLOCK_N, STAGES, QUANT, TILE_SAFEGUARD)),
     ], [4, 1], [240, 24])
@@ -486,8 +500,9 @@ def attn_fwd(q_data, q_exp, k_data, k_exp, v_data, v_exp, o, lse, tiles, *, soft
              recipe="mxfp8", block_tokens=1, per_token=None, v_len=None, config=None):
     """Launch the Gluon forward on flamia's operands.
 
-    mxfp8: q_data (Tq, H, D) e4m3, q_exp (H, Tq) u8; k_data (Tk, HK, D) e4m3, k_exp (HK, Tk) u8;
-           v_data token-transposed (HK, D, T_pad) e4m3, v_exp (HK, Tk) u8.
+    mxfp8: q_data (Tq, H, D) e4m3, q_exp (H, Tq_pad) u8; k_data (Tk, HK, D) e4m3, k_exp and v_exp
+           (HK, Tk_pad) u8; v_data token-transposed (HK, D, Tk_pad) e4m3. Exponent rows and V^T
+           share flamia's padded token layout (documents at 16-aligned columns).
     bf16:  q_data, k_data, v_data (T, H, D) as given; the *_exp are ignored.
     per_token: (ks, eks, vts, evs) per-token copies for B_t=128's per-tile safeguard (causal),
                else None.
@@ -523,7 +538,8 @@ def attn_fwd(q_data, q_exp, k_data, k_exp, v_data, v_exp, o, lse, tiles, *, soft
     if n == 0:
         return o, lse
     _attn_fwd_hopper[(H, n)](qd, kd, vd, ksd, vsd, EQ, EK, EV, eks, evs, o, lse, tiles,
-                             softmax_scale * 1.4426950408889634, Tq, Tk, H, HK,
+                             softmax_scale * 1.4426950408889634, Tq, EQ.shape[-1], EK.shape[-1],
+                             H, HK,
                              D=D, BLOCK_N=BN, STAGES=STAGES, BLOCK_TOKENS=block_tokens,
                              CAUSAL=causal, QUANT=quant, TILE_SAFEGUARD=tile_safeguard,
                              num_warps=4, maxnreg=168)
