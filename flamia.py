@@ -582,12 +582,10 @@ def _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, shift, p
 
 
 @triton.jit
-def _quantize_kernel(
-        X, TILES,  # input (T, H, D) and the Plan's 128-token tiles
-        Y, E, YT, Y_TOK, E_TOK, YT_TOK,  # data (T, H, D), exp, data_t (padded); *_TOK: B_t = 1
-        stride_xt, stride_xh, T_PAD,
-        H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-        WRITE_T: tl.constexpr, WRITE_TOK: tl.constexpr, PTX_CVT: tl.constexpr):
+def _quantize_tile(X, TILES, Y, E, YT, Y_TOK, E_TOK, YT_TOK, stride_xt, stride_xh, T_PAD,
+                   H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_TOKENS: tl.constexpr, WRITE_T: tl.constexpr, WRITE_TOK: tl.constexpr,
+                   PTX_CVT: tl.constexpr):
     # The tile is read as four token phases, x_j = rows 4i + j, all in one register layout, so the
     # token-transposed copy packs four tokens of a channel into an int32 elementwise and stores
     # 32-bit words, consecutive across a warp. (Storing the fp8 tile transposed instead makes Triton
@@ -614,6 +612,25 @@ def _quantize_kernel(
                     pad_end, Y, E, YT, T_PAD, H, D, WRITE_T, PTX_CVT)
 
 
+@triton.jit
+def _quantize_kernel(
+        X, TILES,  # input (T, H, D) and the Plan's 128-token tiles
+        Y, E, YT, Y_TOK, E_TOK, YT_TOK,  # data (T, H, D), exp, data_t (padded); *_TOK: B_t = 1
+        stride_xt, stride_xh, T_PAD,
+        X2, Y2, E2, YT2, Y2_TOK, E2_TOK, YT2_TOK, stride_x2t, stride_x2h,  # SECOND: a 2nd tensor
+        H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+        WRITE_T: tl.constexpr, WRITE_TOK: tl.constexpr, PTX_CVT: tl.constexpr,
+        SECOND: tl.constexpr, WRITE_T2: tl.constexpr):
+    """One program = one 128-token tile of one head. SECOND: grid axis 2 picks the tensor, so K
+    (row-major) and V (token-transposed) of the same documents share one launch."""
+    if SECOND and tl.program_id(2) == 1:
+        _quantize_tile(X2, TILES, Y2, E2, YT2, Y2_TOK, E2_TOK, YT2_TOK, stride_x2t, stride_x2h,
+                       T_PAD, H, D, BLOCK_T, BLOCK_TOKENS, WRITE_T2, WRITE_TOK, PTX_CVT)
+    else:
+        _quantize_tile(X, TILES, Y, E, YT, Y_TOK, E_TOK, YT_TOK, stride_xt, stride_xh, T_PAD,
+                       H, D, BLOCK_T, BLOCK_TOKENS, WRITE_T, WRITE_TOK, PTX_CVT)
+
+
 def _side_total(plan: Plan, side: str, x: torch.Tensor) -> None:
     if side not in ("q", "k"):
         raise ValueError(f"side must be 'q' or 'k', got {side!r}")
@@ -626,12 +643,14 @@ def _side_total(plan: Plan, side: str, x: torch.Tensor) -> None:
 
 
 def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str = "q",
-                   transposed: bool = False, per_token_copy: bool = False):
+                   transposed: bool = False, per_token_copy: bool = False, second=None):
     """Fused Triton quantizer: ONE launch reads x (T, H, D) once and writes the block-scaled data
     (row-major, or token-transposed with transposed=True: how the forward reads V), its exponents,
     and a per-token scaled copy in the same layout (per_token_copy=True, for the causal safeguard).
     `side`: whose documents x follows in `plan` ("q" or "k"). Returns an MXFP8, or
-    (block MXFP8, per-token MXFP8)."""
+    (block MXFP8, per-token MXFP8). second=(x2, transposed2): a second tensor of the same shape,
+    documents and block_tokens in the same launch (K and V: one launch fewer per forward); then
+    returns the pair of results."""
     _check_tensor(x, "x")
     _check_block_tokens(block_tokens)
     _side_total(plan, side, x)
@@ -640,22 +659,40 @@ def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str
     t_pad = plan.padded_q if side == "q" else plan.padded_k
     f8 = torch.float8_e4m3fn
 
-    def alloc():
+    def alloc(transposed):
         return MXFP8(None if transposed else torch.empty(T, H, D, dtype=f8, device=x.device),
                      torch.empty(H, t_pad, dtype=torch.uint8, device=x.device),
                      torch.empty(H, D, t_pad, dtype=f8, device=x.device) if transposed else None)
-    out = alloc()
-    tok = alloc() if per_token_copy else out
+
+    def outputs(transposed):
+        out = alloc(transposed)
+        return out, (alloc(transposed) if per_token_copy else out)
+    out, tok = outputs(transposed)
+    data = lambda m, transposed: m.data_t if transposed else m.data
+    x2, transposed2 = second if second is not None else (x, transposed)
+    if second is not None:
+        _check_tensor(x2, "second")
+        if x2.shape != x.shape:
+            raise ValueError(f"second has shape {tuple(x2.shape)}, expected x's {tuple(x.shape)}")
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        out2, tok2 = outputs(transposed2)
+    else:
+        out2, tok2 = out, tok
     tiles = plan.tiles(QUANT_TILE, side, causal=False, skip_masked=False)
     if tiles.shape[0] > 0:
-        data = lambda m: m.data_t if transposed else m.data
-        _quantize_kernel[(tiles.shape[0], H)](
-            x, tiles, data(out), out.exp, data(out), data(tok), tok.exp, data(tok),
-            x.stride(0), x.stride(1), t_pad, H=H, D=D, BLOCK_T=QUANT_TILE,
-            BLOCK_TOKENS=block_tokens, WRITE_T=transposed, WRITE_TOK=per_token_copy,
-            PTX_CVT=not INTERPRETED,
+        _quantize_kernel[(tiles.shape[0], H, 1 if second is None else 2)](
+            x, tiles, data(out, transposed), out.exp, data(out, transposed),
+            data(tok, transposed), tok.exp, data(tok, transposed), x.stride(0), x.stride(1), t_pad,
+            x2, data(out2, transposed2), out2.exp, data(out2, transposed2),
+            data(tok2, transposed2), tok2.exp, data(tok2, transposed2), x2.stride(0), x2.stride(1),
+            H=H, D=D, BLOCK_T=QUANT_TILE, BLOCK_TOKENS=block_tokens, WRITE_T=transposed,
+            WRITE_TOK=per_token_copy, PTX_CVT=not INTERPRETED, SECOND=second is not None,
+            WRITE_T2=transposed2,
             num_warps=8)  # 4 warps spill with the per-token copy
-    return (out, tok) if per_token_copy else out
+    first = (out, tok) if per_token_copy else out
+    if second is None:
+        return first
+    return first, ((out2, tok2) if per_token_copy else out2)
 
 
 @triton.jit
@@ -1713,20 +1750,21 @@ def _empty_operands(layout: Operands, like: torch.Tensor) -> Operands:
 
 
 def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, copies: bool):
-    """The forward's Operands: one fused quantizer launch per tensor."""
+    """The forward's Operands: two fused quantizer launches (Q; K and V together)."""
     q8 = quantize_mxfp8(q, plan, 1, "q")  # Q per token: a scale shared along its rows would leak
     k_tok = (None, None)
+    # V only token-transposed: the K-major operand of P V (the backward dequantizes this copy).
     if recipe.k_fp4:  # FP4 along the head dim, per token: the safeguard needs no copy of K
         kf = quantize_fp4(k, plan, recipe.k_format, "k")
         k_parts = (kf.packed, kf.s2, kf.block_scale)
-    elif copies:
-        k8, ks8 = quantize_mxfp8(k, plan, block_tokens, "k", per_token_copy=True)
-        k_parts, k_tok = (k8.data, k8.exp, None), (ks8.data, ks8.exp)
-    else:
-        k8 = quantize_mxfp8(k, plan, block_tokens, "k")
+        vq = quantize_mxfp8(v, plan, block_tokens, "k", transposed=True, per_token_copy=copies)
+    else:  # K row-major and V in the same launch
+        kq, vq = quantize_mxfp8(k, plan, block_tokens, "k", per_token_copy=copies,
+                                second=(v, True))
+        k8, ks8 = kq if copies else (kq, None)
         k_parts = (k8.data, k8.exp, None)
-    # V only token-transposed: the K-major operand of P V (the backward dequantizes this copy).
-    vq = quantize_mxfp8(v, plan, block_tokens, "k", transposed=True, per_token_copy=copies)
+        if copies:
+            k_tok = (ks8.data, ks8.exp)
     v8, vs8 = vq if copies else (vq, None)
     v_tok = (vs8.data_t, vs8.exp) if copies else (None, None)
     parts = (q8.data, q8.exp, *k_parts, *k_tok, v8.data_t, v8.exp, *v_tok)

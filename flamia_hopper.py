@@ -70,6 +70,8 @@ Limits: D in {64, 128}; B_t in {1, 128} (128 causal only where flamia's _tile_sa
 128-wide tiles); B_t = 32/64 causal (per-pair safeguard) stay on flamia's tl kernel; bf16 inputs
 (fp16 was not validated); Tq*H*D < 2^31. Speed: README ("Hopper: the Gluon forward").
 """
+import functools
+
 import torch
 import triton
 # Gluon's API moves between triton versions: this file is written for the H200 machine's triton 3.6.
@@ -488,12 +490,16 @@ def unsupported_reason(recipe: str, dtype, safeguard_mode: str):
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_layout(block: tuple, dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
+
+
 def _desc(t, shape, strides, block):
     """A TMA descriptor of a 2-D view of t. (Not cached: a cached descriptor would keep its tensor
-    alive, and triton 3.6 re-encodes descriptors at every launch anyway.)"""
+    alive, and triton 3.6 re-encodes descriptors at every launch anyway; the layout is cached.)"""
     dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16}[t.dtype]
-    return TensorDescriptor(t, list(shape), list(strides), list(block),
-                            gl.NVMMASharedLayout.get_default_for(list(block), dtype))
+    return TensorDescriptor(t, list(shape), list(strides), list(block), _smem_layout(block, dtype))
 
 
 def attn_fwd(q_data, q_exp, k_data, k_exp, v_data, v_exp, o, lse, tiles, *, softmax_scale, causal,
@@ -532,8 +538,8 @@ def attn_fwd(q_data, q_exp, k_data, k_exp, v_data, v_exp, o, lse, tiles, *, soft
         ks, eks, vts, evs = per_token
         ksd = _desc(ks, (Tk, HK * D), (HK * D, 1), (BN, D))
         vsd = _desc(vts, (HK * D, v_len), (vts.shape[-1], 1), (D, BN))
-    else:
-        ksd, vsd, eks, evs = kd, vd, EK, EV
+    else:  # None: no descriptors to encode at launch (TILE_SAFEGUARD's branch is compiled out)
+        ksd, vsd, eks, evs = None, None, EK, EV
     n = tiles.shape[0]
     if n == 0:
         return o, lse

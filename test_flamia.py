@@ -496,6 +496,34 @@ def test_triton_quantizer_bit_identical(dtype, D, bt):
             assert_bitwise(got, ref.dequantize(cu).to(dtype), f"{where}: dequantized from the {what} data")
 
 
+@pytest.mark.parametrize("bt,copy", [(1, False), (32, True), (128, True)])
+def test_quantizer_second_tensor_same_launch(bt, copy):
+    """quantize_mxfp8(second=(v, True)) -- K and V in one launch, as the forward does -- writes
+    exactly what two separate calls write: K row-major, V token-transposed, exponents (padding
+    included) and the per-token copies. A mix-up between the two tensors or layouts shows here."""
+    gen = torch.Generator().manual_seed(61 + bt)
+    lens = QUANT_LAYOUTS[0]
+    offs, cu = offsets_of(lens), cu_of(lens)
+    k, v = (_wide_range(gen, offs[-1], 2, 64, BF16).to(DEVICE) for _ in range(2))
+    plan = flamia.Plan(cu)
+    end = sum(flamia._pad16(b - a) for a, b in zip(offs, offs[1:]))
+    _poison_allocator()
+    kq, vq = flamia.quantize_mxfp8(k, plan, bt, "q", per_token_copy=copy, second=(v, True))
+    k1 = flamia.quantize_mxfp8(k, plan, bt, "q", per_token_copy=copy)
+    v1 = flamia.quantize_mxfp8(v, plan, bt, "q", transposed=True, per_token_copy=copy)
+    pairs = list(zip(kq, k1)) + list(zip(vq, v1)) if copy else [(kq, k1), (vq, v1)]
+    for i, (got, want) in enumerate(pairs):
+        assert (got.data is None) == (want.data is None) and (got.data_t is None) == (want.data_t is None)
+        assert_bitwise(got.exp[:, :end], want.exp[:, :end], f"output {i}: exponents")
+        if want.data is not None:
+            assert_bitwise(got.data, want.data, f"output {i}: row-major data")
+        else:
+            assert_bitwise(got.data_t[..., :end], want.data_t[..., :end], f"output {i}: transposed data")
+    assert not torch.equal(kq[0].exp if copy else kq.exp, vq[0].exp if copy else vq.exp), "K and V gave one result"
+    with pytest.raises(ValueError, match="second has shape"):
+        flamia.quantize_mxfp8(k, plan, bt, "q", second=(v[:, :1], True))
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
 def test_triton_quantizer_nonfinite(bad):
     """One non-finite element makes its whole block (that head only) E8M0 NaN (255) with NaN data -- in the Triton quantizer and in the reference alike -- while every other
