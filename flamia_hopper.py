@@ -341,29 +341,25 @@ def _consumer(q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_e
                                                   q, qscale, rows, k_s, v_s, k_ready, v_ready,
                                                   kv_empty, sk_s, ev_s, sc_ready, EKd, EVd,
                                                   kd_start, kd_end, qd_start, shift, BLOCK_N,
-                                                  STAGES, CAUSAL,
-                                                  QUANT, False, False, ONE_SCALE)
+                                                  STAGES, CAUSAL, QUANT, False, False, ONE_SCALE)
     for j in range(n_free, n_kt - 1):
         s, acc, m_i, l_i, ref_i, ek1, ev1 = _step(j, s, acc, m_i, l_i, ref_i, ek1, ev1,
                                                   q, qscale, rows, k_s, v_s, k_ready, v_ready,
                                                   kv_empty, sk_s, ev_s, sc_ready, EKd, EVd,
                                                   kd_start, kd_end, qd_start, shift, BLOCK_N,
-                                                  STAGES, CAUSAL,
-                                                  QUANT, True, False, ONE_SCALE)
+                                                  STAGES, CAUSAL, QUANT, True, False, ONE_SCALE)
     if n_kt - 1 < n_unmasked:
         s, acc, m_i, l_i, ref_i, ek1, ev1 = _step(n_kt - 1, s, acc, m_i, l_i, ref_i, ek1, ev1,
                                                   q, qscale, rows, k_s, v_s, k_ready, v_ready,
                                                   kv_empty, sk_s, ev_s, sc_ready, EKd, EVd,
                                                   kd_start, kd_end, qd_start, shift, BLOCK_N,
-                                                  STAGES, CAUSAL,
-                                                  QUANT, False, True, ONE_SCALE)
+                                                  STAGES, CAUSAL, QUANT, False, True, ONE_SCALE)
     else:
         s, acc, m_i, l_i, ref_i, ek1, ev1 = _step(n_kt - 1, s, acc, m_i, l_i, ref_i, ek1, ev1,
                                                   q, qscale, rows, k_s, v_s, k_ready, v_ready,
                                                   kv_empty, sk_s, ev_s, sc_ready, EKd, EVd,
                                                   kd_start, kd_end, qd_start, shift, BLOCK_N,
-                                                  STAGES, CAUSAL,
-                                                  QUANT, True, True, ONE_SCALE)
+                                                  STAGES, CAUSAL, QUANT, True, True, ONE_SCALE)
     # epilogue: O = acc / l (back from units of 2^(ref - 8)), LSE in natural log
     orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     if QUANT:
