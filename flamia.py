@@ -297,6 +297,8 @@ class Plan:
         self.cu_seqlens_q = cu_seqlens_q.to(self.device, non_blocking=True)
         self.cu_seqlens_k = self.cu_seqlens_q if same else cu_seqlens_k.to(self.device)
         self.total_q, self.total_k = self.offsets_q[-1], self.offsets_k[-1]
+        # self-attention: one tile table for both sides (Q, K and V share a quantizer launch)
+        self.same_documents = same or self.offsets_q == self.offsets_k
         lens = [(b - a, d - c) for a, b, c, d in
                 zip(self.offsets_q, self.offsets_q[1:], self.offsets_k, self.offsets_k[1:])]
         self.max_seqlen_q = max(lq for lq, _ in lens)
@@ -618,17 +620,26 @@ def _quantize_kernel(
         Y, E, YT, Y_TOK, E_TOK, YT_TOK,  # data (T, H, D), exp, data_t (padded); *_TOK: B_t = 1
         stride_xt, stride_xh, T_PAD,
         X2, Y2, E2, YT2, Y2_TOK, E2_TOK, YT2_TOK, stride_x2t, stride_x2h,  # SECOND: a 2nd tensor
-        H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-        WRITE_T: tl.constexpr, WRITE_TOK: tl.constexpr, PTX_CVT: tl.constexpr,
-        SECOND: tl.constexpr, WRITE_T2: tl.constexpr):
-    """One program = one 128-token tile of one head. SECOND: grid axis 2 picks the tensor, so K
-    (row-major) and V (token-transposed) of the same documents share one launch."""
-    if SECOND and tl.program_id(2) == 1:
-        _quantize_tile(X2, TILES, Y2, E2, YT2, Y2_TOK, E2_TOK, YT2_TOK, stride_x2t, stride_x2h,
-                       T_PAD, H, D, BLOCK_T, BLOCK_TOKENS, WRITE_T2, WRITE_TOK, PTX_CVT)
-    else:
-        _quantize_tile(X, TILES, Y, E, YT, Y_TOK, E_TOK, YT_TOK, stride_xt, stride_xh, T_PAD,
-                       H, D, BLOCK_T, BLOCK_TOKENS, WRITE_T, WRITE_TOK, PTX_CVT)
+        XQ, YQ, EQ, stride_xqt, stride_xqh,  # QUERIES: Q, per token, row-major
+        H: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+        BLOCK_TOKENS: tl.constexpr, WRITE_T: tl.constexpr, WRITE_TOK: tl.constexpr,
+        PTX_CVT: tl.constexpr, SECOND: tl.constexpr, WRITE_T2: tl.constexpr,
+        QUERIES: tl.constexpr):
+    """One program = one 128-token tile of one head. Grid axis 2 picks the tensor, so that K
+    (row-major), V (token-transposed) and Q (per token) of the same documents share one launch:
+    0 -> X, 1 -> X2 (SECOND), last -> Q (QUERIES; axis 1 covers its HQ >= H heads)."""
+    which = tl.program_id(2)
+    if QUERIES and which == SECOND + 1:
+        _quantize_tile(XQ, TILES, YQ, EQ, YQ, YQ, EQ, YQ, stride_xqt, stride_xqh, T_PAD, HQ, D,
+                       BLOCK_T, 1, False, False, PTX_CVT)
+    elif tl.program_id(1) < H:
+        if SECOND and which == 1:
+            _quantize_tile(X2, TILES, Y2, E2, YT2, Y2_TOK, E2_TOK, YT2_TOK, stride_x2t,
+                           stride_x2h, T_PAD, H, D, BLOCK_T, BLOCK_TOKENS, WRITE_T2, WRITE_TOK,
+                           PTX_CVT)
+        else:
+            _quantize_tile(X, TILES, Y, E, YT, Y_TOK, E_TOK, YT_TOK, stride_xt, stride_xh, T_PAD,
+                           H, D, BLOCK_T, BLOCK_TOKENS, WRITE_T, WRITE_TOK, PTX_CVT)
 
 
 def _side_total(plan: Plan, side: str, x: torch.Tensor) -> None:
@@ -643,14 +654,17 @@ def _side_total(plan: Plan, side: str, x: torch.Tensor) -> None:
 
 
 def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str = "q",
-                   transposed: bool = False, per_token_copy: bool = False, second=None):
+                   transposed: bool = False, per_token_copy: bool = False, second=None,
+                   queries=None):
     """Fused Triton quantizer: ONE launch reads x (T, H, D) once and writes the block-scaled data
     (row-major, or token-transposed with transposed=True: how the forward reads V), its exponents,
     and a per-token scaled copy in the same layout (per_token_copy=True, for the causal safeguard).
     `side`: whose documents x follows in `plan` ("q" or "k"). Returns an MXFP8, or
     (block MXFP8, per-token MXFP8). second=(x2, transposed2): a second tensor of the same shape,
     documents and block_tokens in the same launch (K and V: one launch fewer per forward); then
-    returns the pair of results."""
+    returns the pair of results. queries=q: Q (T, Hq, D) of the same documents (Hq a multiple of
+    H), quantized per token, row-major, in the same launch too (the forward's single quantizer
+    launch); its MXFP8 is appended to the results."""
     _check_tensor(x, "x")
     _check_block_tokens(block_tokens)
     _side_total(plan, side, x)
@@ -678,21 +692,37 @@ def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str
         out2, tok2 = outputs(transposed2)
     else:
         out2, tok2 = out, tok
+    xq, HQ, out_q = x, H, out
+    if queries is not None:
+        _check_tensor(queries, "queries")
+        if not plan.same_documents:
+            raise ValueError("queries= needs a plan whose cu_seqlens_q and cu_seqlens_k describe "
+                             "the same documents")
+        if (queries.shape[0] != T or queries.shape[2] != D or queries.shape[1] % H != 0):
+            raise ValueError(f"queries has shape {tuple(queries.shape)}, expected ({T}, a "
+                             f"multiple of {H}, {D})")
+        xq = queries if queries.stride(-1) == 1 else queries.contiguous()
+        HQ = xq.shape[1]
+        out_q = MXFP8(torch.empty(T, HQ, D, dtype=f8, device=x.device),
+                      torch.empty(HQ, t_pad, dtype=torch.uint8, device=x.device), None)
     tiles = plan.tiles(QUANT_TILE, side, causal=False, skip_masked=False)
     if tiles.shape[0] > 0:
-        _quantize_kernel[(tiles.shape[0], H, 1 if second is None else 2)](
+        _quantize_kernel[(tiles.shape[0], HQ, 1 + (second is not None) + (queries is not None))](
             x, tiles, data(out, transposed), out.exp, data(out, transposed),
             data(tok, transposed), tok.exp, data(tok, transposed), x.stride(0), x.stride(1), t_pad,
             x2, data(out2, transposed2), out2.exp, data(out2, transposed2),
             data(tok2, transposed2), tok2.exp, data(tok2, transposed2), x2.stride(0), x2.stride(1),
-            H=H, D=D, BLOCK_T=QUANT_TILE, BLOCK_TOKENS=block_tokens, WRITE_T=transposed,
+            xq, data(out_q, False), out_q.exp, xq.stride(0), xq.stride(1),
+            H=H, HQ=HQ, D=D, BLOCK_T=QUANT_TILE, BLOCK_TOKENS=block_tokens, WRITE_T=transposed,
             WRITE_TOK=per_token_copy, PTX_CVT=not INTERPRETED, SECOND=second is not None,
-            WRITE_T2=transposed2,
+            WRITE_T2=transposed2, QUERIES=queries is not None,
             num_warps=8)  # 4 warps spill with the per-token copy
-    first = (out, tok) if per_token_copy else out
-    if second is None:
-        return first
-    return first, ((out2, tok2) if per_token_copy else out2)
+    results = [(out, tok) if per_token_copy else out]
+    if second is not None:
+        results.append((out2, tok2) if per_token_copy else out2)
+    if queries is not None:
+        results.append(out_q)
+    return results[0] if len(results) == 1 else tuple(results)
 
 
 @triton.jit
@@ -1750,21 +1780,29 @@ def _empty_operands(layout: Operands, like: torch.Tensor) -> Operands:
 
 
 def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, copies: bool):
-    """The forward's Operands: two fused quantizer launches (Q; K and V together)."""
-    q8 = quantize_mxfp8(q, plan, 1, "q")  # Q per token: a scale shared along its rows would leak
+    """The forward's Operands: ONE fused quantizer launch for Q, K and V (self-attention; two
+    when the query documents differ from the key documents or K is FP4)."""
+    # Q per token: a scale shared along its rows would leak. V only token-transposed: the K-major
+    # operand of P V (the backward dequantizes this copy).
+    together = plan.same_documents  # one tile table for Q and K: Q joins the K/V launch
+    queries = q if together else None
     k_tok = (None, None)
-    # V only token-transposed: the K-major operand of P V (the backward dequantizes this copy).
     if recipe.k_fp4:  # FP4 along the head dim, per token: the safeguard needs no copy of K
         kf = quantize_fp4(k, plan, recipe.k_format, "k")
         k_parts = (kf.packed, kf.s2, kf.block_scale)
-        vq = quantize_mxfp8(v, plan, block_tokens, "k", transposed=True, per_token_copy=copies)
+        res = quantize_mxfp8(v, plan, block_tokens, "k", transposed=True, per_token_copy=copies,
+                             queries=queries)
+        vq, q8 = res if together else (res, None)
     else:  # K row-major and V in the same launch
-        kq, vq = quantize_mxfp8(k, plan, block_tokens, "k", per_token_copy=copies,
-                                second=(v, True))
+        res = quantize_mxfp8(k, plan, block_tokens, "k", per_token_copy=copies, second=(v, True),
+                             queries=queries)
+        kq, vq, q8 = res if together else (*res, None)
         k8, ks8 = kq if copies else (kq, None)
         k_parts = (k8.data, k8.exp, None)
         if copies:
             k_tok = (ks8.data, ks8.exp)
+    if q8 is None:  # cross-attention: Q follows other documents, its own launch
+        q8 = quantize_mxfp8(q, plan, 1, "q")
     v8, vs8 = vq if copies else (vq, None)
     v_tok = (vs8.data_t, vs8.exp) if copies else (None, None)
     parts = (q8.data, q8.exp, *k_parts, *k_tok, v8.data_t, v8.exp, *v_tok)
@@ -1808,8 +1846,7 @@ def _check_finite(q, k, v) -> None:
             raise ValueError(f"{name} contains inf or NaN (check_finite=True)")
 
 
-@torch.library.custom_op("flamia::fwd", mutates_args=(), device_types=("cuda", "cpu"))
-def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
             cu_seqlens_k: torch.Tensor, dense: list[int], causal: bool, softmax_scale: float,
             recipe: str, block_tokens: int, safeguard: bool, backend: str,
             check_finite: bool) -> list[torch.Tensor]:
@@ -1831,6 +1868,10 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: tor
     return [o, lse, *ops]
 
 
+_fwd_op = torch.library.custom_op("flamia::fwd", _fwd_impl, mutates_args=(),
+                                  device_types=("cuda", "cpu"))
+
+
 @_fwd_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale, recipe, block_tokens,
       safeguard, backend, check_finite):
@@ -1843,8 +1884,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale, recipe,
             *_empty_operands(layout, q)]
 
 
-@torch.library.custom_op("flamia::bwd", mutates_args=(), device_types=("cuda", "cpu"))
-def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
             lse: torch.Tensor, ops: list[torch.Tensor], cu_seqlens_q: torch.Tensor,
             cu_seqlens_k: torch.Tensor, dense: list[int], causal: bool, softmax_scale: float,
             recipe: str, block_tokens: int, safeguard: bool) -> list[torch.Tensor]:
@@ -1854,18 +1894,29 @@ def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                block_tokens=block_tokens, safeguard=safeguard))
 
 
+_bwd_op = torch.library.custom_op("flamia::bwd", _bwd_impl, mutates_args=(),
+                                  device_types=("cuda", "cpu"))
+
+
 @_bwd_op.register_fake
 def _(do, q, k, v, o, lse, ops, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale, recipe,
       block_tokens, safeguard):
     return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
 
 
+def _op(custom_op, impl):
+    """torch.compile traces the custom op; eager calls its implementation directly: the
+    dispatcher's round trip (schema check, redispatch, alias check) cost 35-50 us of host time
+    per call (measured with the kernel launches stubbed out)."""
+    return custom_op if torch.compiler.is_compiling() else impl
+
+
 class _FlamiaAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, dense, causal, scale, recipe, block_tokens, safeguard,
                 backend, check_finite):
-        o, lse, *ops = torch.ops.flamia.fwd(q, k, v, cu_q, cu_k, dense, causal, scale, recipe,
-                                            block_tokens, safeguard, backend, check_finite)
+        o, lse, *ops = _op(_fwd_op, _fwd_impl)(q, k, v, cu_q, cu_k, dense, causal, scale, recipe,
+                                               block_tokens, safeguard, backend, check_finite)
         # The quantized recipes' backward needs only the quantized operands (half the bytes).
         keep = (q.new_empty(0),) * 3 if _RECIPES[recipe].quantized else (q, k, v)
         ctx.save_for_backward(*keep, o, lse, cu_q, cu_k, *ops)
@@ -1879,7 +1930,7 @@ class _FlamiaAttention(torch.autograd.Function):
         q, k, v, o, lse, cu_q, cu_k, *ops = ctx.saved_tensors
         if _RECIPES[ctx.args[3]].quantized:  # the kernels need only the originals' shapes
             q, k, v = (o.new_empty(s) for s in ctx.shapes)
-        dq, dk, dv = torch.ops.flamia.bwd(do, q, k, v, o, lse, ops, cu_q, cu_k, *ctx.args)
+        dq, dk, dv = _op(_bwd_op, _bwd_impl)(do, q, k, v, o, lse, ops, cu_q, cu_k, *ctx.args)
         return dq, dk, dv, *([None] * 10)
 
 

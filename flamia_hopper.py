@@ -5,21 +5,28 @@ safeguard) and recipe="bf16" (the same kernel without scales). flamia.py imports
 present and uses it for backend="gluon" (forward only; the backward stays flamia's). Tested on the
 H200 by test_flamia.py's GPU tests: oracle agreement, audit_causality, determinism.
 
-The schedule (one CTA = one query tile of 128 rows of one document x one query head, from the Plan)
+The schedule (persistent: one CTA per SM walks work items = (query tile of 128 rows, head))
 ----------------------------------------------------------------------------------------------------
-Three partitions (gl.warp_specialize), 9 warps, one CTA per SM. Launch with maxnreg=168: the 9
-warps are padded to 3 warpgroups and 3 x 128 x 168 registers are redistributed by setmaxnreg to
-240 / 240 / 24.
+Work item i = query tile i // H of the Plan's tile table (heavy tiles first: LPT) and head i % H;
+CTA p takes item p of every even round of P items (P = number of SMs) and item P-1-p of every odd
+one (_item: the snake order balances the LPT-sorted work). Every partition computes the item's
+geometry from the table itself (_work_item). Nothing drains between items: the K/V ring's position
+runs on across items, and Q has two buffers, so the loader fetches item t+1's Q and first key tiles
+while the consumers finish item t and write its O (which a grid of one CTA per item serializes).
 
-  loader (1 warp, 24 regs):
-      Loads the tile's Q once (two 64-row TMA boxes, barrier q_bar[w] each), then walks the
-      document's key tiles j = 0 .. n_kt-1 through a ring of STAGES shared-memory slots
-      s = j % STAGES:
+Three partitions (gl.warp_specialize), 9 warps. Launch with maxnreg=168: the 9 warps are padded to
+3 warpgroups and 3 x 128 x 168 registers are redistributed by setmaxnreg to 240 / 240 / 24.
+
+  loader (1 warp, 24 regs), per item t:
+      Loads the item's Q (two 64-row TMA boxes into buffer t % 2; waits q_empty, arrives q_bar),
+      then walks the document's key tiles j = 0 .. n_kt-1 through a ring of STAGES shared-memory
+      slots, ring position c = (key tiles of earlier items) + j, slot c % STAGES:
         wait kv_empty[s]                              (both consumers are done with slot s)
         TMA K_j   -> k_s[s],  arrives on k_ready[s]   (expect-tx barrier)
         TMA V_j^T -> v_s[s],  arrives on v_ready[s]   (S can start before V lands)
         mxfp8: load the tile's 2 x 128 scale bytes, store 2^(ek-127) (fp32) and ev-127 (int32)
                to sk_s[s], ev_s[s], then arrive on sc_ready[s] (ONE_SCALE tiles skip the wait).
+      Barrier phases are (c // STAGES) & 1 for the ring and (t // 2) & 1 for Q.
       The scale rows (H, T) of E8M0 bytes are not 16-byte aligned in general, so TMA cannot fetch
       them; this warp runs STAGES tiles ahead, which hides their latency (loaded in the consumers
       they sat on the critical path).
@@ -27,7 +34,8 @@ warps are padded to 3 warpgroups and 3 x 128 x 168 registers are redistributed b
       instead (flamia's per-tile causal safeguard).
   consumer w=0 (4 warps, 240 regs):  one warpgroup = 64 query rows (rows 0..63 of the tile)
   consumer w=1 (4 warps, 240 regs):  rows 64..127. Both read the same slots: kv_empty is
-                                     initialised with count 2.
+                                     initialised with count 2. After an item's last S each
+                                     arrives on its q_empty, then writes the item's O and LSE.
 
 Per consumer warpgroup, key tile j (S_j = Q K_j^T is already in registers; S_0 before the loop):
     wait k_ready[j+1]; issue S_{j+1}   (async wgmma, smem x smem: it runs on the tensor core ...)
@@ -135,53 +143,123 @@ def _stage_scales(EK, EV, EKS, EVS, sk_slot, ev_slot, n0, kd_end, per_token,
     sk_slot.store(_exp2_int(ek.to(gl.int32)))
     ev_slot.store(ev.to(gl.int32) - 127)
 
+@gluon.jit
+def _item(t):
+    """The work item of this CTA's t-th round. Items are sorted heaviest first (LPT); rounds
+    alternate direction (CTA p takes the p-th item of even rounds and the p-th from the end of odd
+    ones), so that every CTA's sum of work is near the mean: in plain round-robin CTA 0 takes the
+    heaviest item of every round (measured 3-7% slower than a grid of one CTA per item on one long
+    document, where the hardware hands out CTAs greedily)."""
+    p = gl.program_id(0)
+    n = gl.num_programs(0)
+    return t * n + gl.where(t % 2 == 0, p, n - 1 - p)
+
+@gluon.jit
+def _items_of_cta(n_items):
+    """How many rounds of _item this CTA runs: all full rounds, and the last partial one if it
+    reaches this CTA (the first CTAs on an even round, the last ones on an odd one)."""
+    p = gl.program_id(0)
+    n = gl.num_programs(0)
+    full = n_items // n
+    rest = n_items % n
+    mine = gl.where(full % 2 == 0, p < rest, p >= n - rest)
+    return full + mine.to(gl.int32)
+
+@gluon.jit
+def _work_item(TILES, item, H, HK, BLOCK_N: gl.constexpr, BLOCK_TOKENS: gl.constexpr,
+               CAUSAL: gl.constexpr, TILE_SAFEGUARD: gl.constexpr, QUANT: gl.constexpr):
+    """Work item `item` of the persistent launch: query tile item // H of the Plan's tile table
+    (heads fastest, so the table's LPT order holds across heads), head item % H. Every partition
+    computes it from the table (a few scalar loads) rather than receiving it. Returns the head, its
+    K/V head, the tile's rows, the document's query and key ranges, where V^T and the exponent rows
+    place it (padded token layout), the causal shift and the key tiles: n_kt in all, the first
+    n_unmasked of which every row sees in full."""
+    h = item % H
+    row = TILES + (item // H) * 8
+    q_start = gl.load(row + 0)
+    q_end = gl.load(row + 1)
+    qd_start = gl.load(row + 2)
+    qd_end = gl.load(row + 3)
+    kd_start = gl.load(row + 4)
+    kd_end = gl.load(row + 5)
+    v_base = gl.load(row + 6) if QUANT else kd_start
+    own_pad = gl.load(row + 7)
+    shift = (kd_end - kd_start) - (qd_end - qd_start)
+    kd_len = kd_end - kd_start
+    # flamia's _key_range for 128-row query tiles and BLOCK_N-key tiles
+    if CAUSAL:
+        first = q_start - qd_start + shift
+        n_full = gl.maximum(first + 1, 0) // BLOCK_N * BLOCK_N
+        if TILE_SAFEGUARD:
+            n_full = gl.minimum(n_full, gl.maximum(first, 0) // BLOCK_TOKENS * BLOCK_TOKENS
+                                // BLOCK_N * BLOCK_N)
+        hi = gl.minimum(kd_len, q_end - qd_start + shift)
+    else:
+        n_full = kd_len // BLOCK_N * BLOCK_N
+        hi = kd_len
+    return (h, h // (H // HK), q_start, q_end, qd_start, kd_start, kd_end, v_base, own_pad, shift,
+            (hi + BLOCK_N - 1) // BLOCK_N, n_full // BLOCK_N)
+
 # ------------------------------------------------------------------------------------------------
 # loader partition (1 warp): TMA into the ring
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, ks_desc, vs_desc, q_s, k_s, v_s, sk_s, ev_s, q_bar,
-            k_ready, v_ready, sc_ready, kv_empty, EK, EV, EKS, EVS, q_start, h, hk,
-            kd_start, kd_end, v_base, n_kt, n_unmasked,
-            D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QUANT: gl.constexpr,
+def _loader(q_desc, k_desc, v_desc, ks_desc, vs_desc, q_s, k_s, v_s, sk_s, ev_s, q_bar, q_empty,
+            k_ready, v_ready, sc_ready, kv_empty, EK, EV, EKS, EVS, TILES, T_KPAD, H, HK, n_items,
+            D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+            BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, QUANT: gl.constexpr,
             TILE_SAFEGUARD: gl.constexpr):
-    for w in gl.static_range(2):
-        mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_start + w * 64, h * D], q_bar.index(w),
-                                        q_s.index(w))
-    for j in range(n_kt):
-        s = j % STAGES
-        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)  # fresh slots pass at once
-        n0 = kd_start + j * BLOCK_N
-        v0 = v_base + j * BLOCK_N
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        if TILE_SAFEGUARD:
-            if j >= n_unmasked:  # diagonal tiles of B_t=128: the per-token copies
-                tma.async_copy_global_to_shared(ks_desc, [n0, hk * D], k_ready.index(s),
-                                                k_s.index(s))
-                tma.async_copy_global_to_shared(vs_desc, [hk * D, v0], v_ready.index(s),
-                                                v_s.index(s))
+    c0 = 0  # ring position of the item's first key tile: the ring runs on across items
+    for t in range(_items_of_cta(n_items)):  # Q buffer t % 2
+        h, hk, q_start, q_end, qd_start, kd_start, kd_end, v_base, own_pad, shift, n_kt, \
+            n_unmasked = _work_item(TILES, _item(t), H, HK, BLOCK_N, BLOCK_TOKENS, CAUSAL,
+                                    TILE_SAFEGUARD, QUANT)
+        # Q of item t goes to buffer t % 2, free once the consumers finished item t - 2
+        for w in gl.static_range(2):
+            b = (t % 2) * 2 + w
+            mbarrier.wait(q_empty.index(b), ((t // 2) & 1) ^ 1)  # fresh buffers pass at once
+            mbarrier.expect(q_bar.index(b), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_start + w * 64, h * D], q_bar.index(b),
+                                            q_s.index(b))
+        col = hk * T_KPAD + (v_base - kd_start)  # exponent rows indexed by token (see _work_item)
+        for j in range(n_kt):
+            c = c0 + j
+            s = c % STAGES
+            mbarrier.wait(kv_empty.index(s), ((c // STAGES) & 1) ^ 1)  # fresh slots pass at once
+            n0 = kd_start + j * BLOCK_N
+            v0 = v_base + j * BLOCK_N
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            if TILE_SAFEGUARD:
+                if j >= n_unmasked:  # diagonal tiles of B_t=128: the per-token copies
+                    tma.async_copy_global_to_shared(ks_desc, [n0, hk * D], k_ready.index(s),
+                                                    k_s.index(s))
+                    tma.async_copy_global_to_shared(vs_desc, [hk * D, v0], v_ready.index(s),
+                                                    v_s.index(s))
+                else:
+                    tma.async_copy_global_to_shared(k_desc, [n0, hk * D], k_ready.index(s),
+                                                    k_s.index(s))
+                    tma.async_copy_global_to_shared(v_desc, [hk * D, v0], v_ready.index(s),
+                                                    v_s.index(s))
             else:
                 tma.async_copy_global_to_shared(k_desc, [n0, hk * D], k_ready.index(s),
                                                 k_s.index(s))
-                tma.async_copy_global_to_shared(v_desc, [hk * D, v0], v_ready.index(s),
-                                                v_s.index(s))
-        else:
-            tma.async_copy_global_to_shared(k_desc, [n0, hk * D], k_ready.index(s), k_s.index(s))
-            if QUANT:  # V token-transposed (HK*D, T_pad): box [D, BLOCK_N]
-                tma.async_copy_global_to_shared(v_desc, [hk * D, v0], v_ready.index(s),
-                                                v_s.index(s))
-            else:  # V row-major (Tk, HK*D): box [BLOCK_N, D]
-                tma.async_copy_global_to_shared(v_desc, [n0, hk * D], v_ready.index(s),
-                                                v_s.index(s))
-        if QUANT:
-            # The tile's scales: E8M0 rows (H, T) are not 16-byte aligned in general, so no TMA;
-            # this warp loads them (it runs STAGES tiles ahead, which hides the latency) and stages
-            # 2^(ek-127) as fp32 and ev - 127 as int32, so that the consumers do no global loads and
-            # no conversions.
-            _stage_scales(EK, EV, EKS, EVS, sk_s.index(s), ev_s.index(s), n0, kd_end,
-                          TILE_SAFEGUARD and j >= n_unmasked, BLOCK_N)
-            mbarrier.arrive(sc_ready.index(s), count=1)
+                if QUANT:  # V token-transposed (HK*D, T_pad): box [D, BLOCK_N]
+                    tma.async_copy_global_to_shared(v_desc, [hk * D, v0], v_ready.index(s),
+                                                    v_s.index(s))
+                else:  # V row-major (Tk, HK*D): box [BLOCK_N, D]
+                    tma.async_copy_global_to_shared(v_desc, [n0, hk * D], v_ready.index(s),
+                                                    v_s.index(s))
+            if QUANT:
+                # The tile's scales: E8M0 rows (H, T) are not 16-byte aligned in general, so no
+                # TMA; this warp loads them (it runs STAGES tiles ahead, which hides the latency)
+                # and stages 2^(ek-127) as fp32 and ev - 127 as int32, so that the consumers do no
+                # global loads and no conversions.
+                _stage_scales(EK + col, EV + col, EKS + col, EVS + col, sk_s.index(s),
+                              ev_s.index(s), n0, kd_end, TILE_SAFEGUARD and j >= n_unmasked,
+                              BLOCK_N)
+                mbarrier.arrive(sc_ready.index(s), count=1)
+        c0 += n_kt
 
 # ------------------------------------------------------------------------------------------------
 # consumer partition (one warpgroup, 64 query rows)
@@ -254,34 +332,35 @@ def _block_scales(EKd, EVd, n, kd_len):
     return ek, gl.load(EVd + n, mask=n < kd_len, other=1).to(gl.int32) - 127
 
 @gluon.jit
-def _issue_s(j, q, k_s, k_ready, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """S_j = Q K_j^T, asynchronously (a token)."""
-    st = j % STAGES
-    mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
+def _issue_s(c, q, k_s, k_ready, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """S = Q K^T for the key tile at ring position c, asynchronously (a token)."""
+    st = c % STAGES
+    mbarrier.wait(k_ready.index(st), (c // STAGES) & 1)
     return warpgroup_mma(q, k_s.index(st).permute((1, 0)),
                          gl.zeros([64, BLOCK_N], gl.float32, _mma_layout(q.dtype, BLOCK_N)),
                          use_acc=False, is_async=True)
 
 @gluon.jit
-def _step(j, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, k_s, v_s, k_ready, v_ready,
+def _step(j, c0, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, k_s, v_s, k_ready, v_ready,
           kv_empty, sk_s, ev_s, sc_ready, EKd, EVd, kd_start, kd_end, qd_start, shift,
           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
           QUANT: gl.constexpr, MASKED: gl.constexpr, LAST: gl.constexpr, ONE_SCALE: gl.constexpr):
-    """Key tile j, whose S_j is in registers: issue S_{j+1} (unless LAST), softmax(S_j) while it
-    runs, O = alpha_j O + P_j V_j. Returns S_{j+1} (S_j when LAST) and the new statistics.
+    """Key tile j (ring position c0 + j), whose S_j is in registers: issue S_{j+1} (unless LAST),
+    softmax(S_j) while it runs, O = alpha_j O + P_j V_j. Returns S_{j+1} (S_j when LAST) and the new statistics.
     MASKED tiles issue S_{j+1} after P_j V_j instead: their mask temporaries and S_{j+1}'s 64
     accumulator registers do not fit together in 240 (ptxas spilled ~0.7 KB), and they are one or
     two tiles per query tile."""
     dtype: gl.constexpr = q.dtype
     s_layout: gl.constexpr = s.type.layout
     o_layout: gl.constexpr = acc.type.layout
-    st = j % STAGES
+    c = c0 + j
+    st = c % STAGES
     if not LAST and not MASKED:
-        s_tok = _issue_s(j + 1, q, k_s, k_ready, BLOCK_N, STAGES)
+        s_tok = _issue_s(c + 1, q, k_s, k_ready, BLOCK_N, STAGES)
     offs_n = kd_start + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     one: gl.constexpr = ONE_SCALE and not MASKED
     if QUANT and not one:
-        mbarrier.wait(sc_ready.index(st), (j // STAGES) & 1)
+        mbarrier.wait(sc_ready.index(st), (c // STAGES) & 1)
     p, alpha, m_i, l_i, ref_i = _softmax(s, m_i, l_i, ref_i, qscale, rows, offs_n, sk_s.index(st),
                                          ev_s.index(st), ek1, ev1, kd_start, kd_end, qd_start,
                                          shift, CAUSAL, QUANT, MASKED, one)
@@ -290,10 +369,10 @@ def _step(j, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, k_s, v_s, k_rea
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     p = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(
         operand_index=0, parent=o_layout, k_width=32 // dtype.primitive_bitwidth))
-    mbarrier.wait(v_ready.index(st), (j // STAGES) & 1)
+    mbarrier.wait(v_ready.index(st), (c // STAGES) & 1)
     acc_tok = warpgroup_mma(p, _v_operand(v_s, st, QUANT), acc, is_async=True)
     if not LAST and MASKED:
-        s_tok = _issue_s(j + 1, q, k_s, k_ready, BLOCK_N, STAGES)
+        s_tok = _issue_s(c + 1, q, k_s, k_ready, BLOCK_N, STAGES)
     if not LAST:
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
     # Every MMA this step issued is retired inside it: ptxas cannot follow an accumulator that is
@@ -304,136 +383,110 @@ def _step(j, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, k_s, v_s, k_rea
     return s, acc, m_i, l_i, ref_i, ek1, ev1
 
 @gluon.jit
-def _consumer(q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_empty,
-              EQ, EK, EV, O, LSE, sm_scale_log2, T_Q, H,
-              h, hk, q_start, q_end, qd_start, kd_start, kd_end, shift, n_kt, n_unmasked,
+def _consumer(q_s, k_s, v_s, sk_s, ev_s, q_bar, q_empty, k_ready, v_ready, sc_ready, kv_empty,
+              EQ, EK, EV, O, LSE, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK, n_items,
               WG: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, QUANT: gl.constexpr, ONE_SCALE: gl.constexpr):
+              BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, QUANT: gl.constexpr,
+              TILE_SAFEGUARD: gl.constexpr, ONE_SCALE: gl.constexpr):
     dtype: gl.constexpr = q_s.dtype
     s_layout: gl.constexpr = _mma_layout(dtype, BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(dtype, D)
     row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-    rows = q_start + WG * 64 + gl.arange(0, 64, layout=row_l)
-    qmask = rows < q_end
-    if QUANT:
-        qscale = (_exp2_int(gl.load(EQ + rows, mask=qmask, other=127).to(gl.int32))
-                  * sm_scale_log2)
-    else:
-        qscale = gl.full([64], 1.0, gl.float32, row_l) * sm_scale_log2
-    m_i = gl.full([64], float("-inf"), gl.float32, row_l)
-    l_i = gl.zeros([64], gl.float32, row_l)
-    # V reference exponent; >= -100 keeps 2^(8-ref) finite
-    ref_i = gl.full([64], -100, gl.int32, row_l)
-    acc = gl.zeros([64, D], gl.float32, o_layout)
-    mbarrier.wait(q_bar.index(WG), 0)
-    q = q_s.index(WG)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(_issue_s(0, q, k_s, k_ready, BLOCK_N, STAGES),))
-    EKd = EK + kd_start  # the exponents of this document's first key
-    EVd = EV + kd_start
-    ek1 = 0
-    ev1 = 0
-    if ONE_SCALE:
-        ek1, ev1 = _block_scales(EKd, EVd, 0, kd_end - kd_start)
-    # Tiles every row sees in full (no mask), then the masked ones; the last tile issues no S.
-    n_free = gl.minimum(n_unmasked, n_kt - 1)
-    for j in range(0, n_free):
-        s, acc, m_i, l_i, ref_i, ek1, ev1 = _step(j, s, acc, m_i, l_i, ref_i, ek1, ev1,
-                                                  q, qscale, rows, k_s, v_s, k_ready, v_ready,
-                                                  kv_empty, sk_s, ev_s, sc_ready, EKd, EVd,
-                                                  kd_start, kd_end, qd_start, shift, BLOCK_N,
-                                                  STAGES, CAUSAL, QUANT, False, False, ONE_SCALE)
-    for j in range(n_free, n_kt - 1):
-        s, acc, m_i, l_i, ref_i, ek1, ev1 = _step(j, s, acc, m_i, l_i, ref_i, ek1, ev1,
-                                                  q, qscale, rows, k_s, v_s, k_ready, v_ready,
-                                                  kv_empty, sk_s, ev_s, sc_ready, EKd, EVd,
-                                                  kd_start, kd_end, qd_start, shift, BLOCK_N,
-                                                  STAGES, CAUSAL, QUANT, True, False, ONE_SCALE)
-    if n_kt - 1 < n_unmasked:
-        s, acc, m_i, l_i, ref_i, ek1, ev1 = _step(n_kt - 1, s, acc, m_i, l_i, ref_i, ek1, ev1,
-                                                  q, qscale, rows, k_s, v_s, k_ready, v_ready,
-                                                  kv_empty, sk_s, ev_s, sc_ready, EKd, EVd,
-                                                  kd_start, kd_end, qd_start, shift, BLOCK_N,
-                                                  STAGES, CAUSAL, QUANT, False, True, ONE_SCALE)
-    else:
-        s, acc, m_i, l_i, ref_i, ek1, ev1 = _step(n_kt - 1, s, acc, m_i, l_i, ref_i, ek1, ev1,
-                                                  q, qscale, rows, k_s, v_s, k_ready, v_ready,
-                                                  kv_empty, sk_s, ev_s, sc_ready, EKd, EVd,
-                                                  kd_start, kd_end, qd_start, shift, BLOCK_N,
-                                                  STAGES, CAUSAL, QUANT, True, True, ONE_SCALE)
-    # epilogue: O = acc / l (back from units of 2^(ref - 8)), LSE in natural log
     orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
-    if QUANT:
-        acc = acc * gl.expand_dims(gl.convert_layout(_exp2_int(ref_i + 119), orow_l), 1)
-    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / gl.expand_dims(gl.convert_layout(l_safe, orow_l), 1)
-    m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
-    lse = gl.where(l_i == 0.0, float("-inf"), (m_use + gl.log2(l_safe)) * 0.6931471805599453)
-    gl.store(LSE + h * T_Q + rows, lse, mask=qmask)
-    rows_o = gl.convert_layout(rows, orow_l)
-    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    ptrs = O + (gl.expand_dims(rows_o, 1) * H + h) * D + gl.expand_dims(offs_d, 0)
-    omask = gl.expand_dims(rows_o < q_end, 1) & gl.expand_dims(offs_d < D, 0)
-    gl.store(ptrs, o.to(O.dtype.element_ty), mask=omask)
+    c0 = 0  # ring position of the item's first key tile (the loader's count)
+    for t in range(_items_of_cta(n_items)):  # Q buffer t % 2
+        h, hk, q_start, q_end, qd_start, kd_start, kd_end, v_base, own_pad, shift, n_kt, \
+            n_unmasked = _work_item(TILES, _item(t), H, HK, BLOCK_N, BLOCK_TOKENS, CAUSAL,
+                                    TILE_SAFEGUARD, QUANT)
+        rows = q_start + WG * 64 + gl.arange(0, 64, layout=row_l)
+        qmask = rows < q_end
+        # Exponent rows (H, T_padded) use the padded token layout (a document at its 16-aligned
+        # column): pointers shifted so that they are indexed by token, head and document included.
+        EKd = EK + hk * T_KPAD + v_base  # this document's first key
+        EVd = EV + hk * T_KPAD + v_base
+        if QUANT:
+            eq = gl.load(EQ + h * T_QPAD + (own_pad - qd_start) + rows, mask=qmask, other=127)
+            qscale = _exp2_int(eq.to(gl.int32)) * sm_scale_log2
+        else:
+            qscale = gl.full([64], 1.0, gl.float32, row_l) * sm_scale_log2
+        m_i = gl.full([64], float("-inf"), gl.float32, row_l)
+        l_i = gl.zeros([64], gl.float32, row_l)
+        # V reference exponent; >= -100 keeps 2^(8-ref) finite
+        ref_i = gl.full([64], -100, gl.int32, row_l)
+        acc = gl.zeros([64, D], gl.float32, o_layout)
+        b = (t % 2) * 2 + WG
+        mbarrier.wait(q_bar.index(b), (t // 2) & 1)
+        q = q_s.index(b)
+        s = warpgroup_mma_wait(num_outstanding=0,
+                               deps=(_issue_s(c0, q, k_s, k_ready, BLOCK_N, STAGES),))
+        ek1 = 0
+        ev1 = 0
+        if ONE_SCALE:
+            ek1, ev1 = _block_scales(EKd, EVd, 0, kd_end - kd_start)
+        # Tiles every row sees in full (no mask), then the masked ones; the last issues no S.
+        n_free = gl.minimum(n_unmasked, n_kt - 1)
+        for j in range(0, n_free):
+            s, acc, m_i, l_i, ref_i, ek1, ev1 = _step(
+                j, c0, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, k_s, v_s, k_ready,
+                v_ready, kv_empty, sk_s, ev_s, sc_ready, EKd, EVd, kd_start, kd_end, qd_start,
+                shift, BLOCK_N, STAGES, CAUSAL, QUANT, False, False, ONE_SCALE)
+        for j in range(n_free, n_kt - 1):
+            s, acc, m_i, l_i, ref_i, ek1, ev1 = _step(
+                j, c0, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, k_s, v_s, k_ready,
+                v_ready, kv_empty, sk_s, ev_s, sc_ready, EKd, EVd, kd_start, kd_end, qd_start,
+                shift, BLOCK_N, STAGES, CAUSAL, QUANT, True, False, ONE_SCALE)
+        if n_kt - 1 < n_unmasked:
+            s, acc, m_i, l_i, ref_i, ek1, ev1 = _step(
+                n_kt - 1, c0, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, k_s, v_s,
+                k_ready, v_ready, kv_empty, sk_s, ev_s, sc_ready, EKd, EVd, kd_start, kd_end,
+                qd_start, shift, BLOCK_N, STAGES, CAUSAL, QUANT, False, True, ONE_SCALE)
+        else:
+            s, acc, m_i, l_i, ref_i, ek1, ev1 = _step(
+                n_kt - 1, c0, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, k_s, v_s,
+                k_ready, v_ready, kv_empty, sk_s, ev_s, sc_ready, EKd, EVd, kd_start, kd_end,
+                qd_start, shift, BLOCK_N, STAGES, CAUSAL, QUANT, True, True, ONE_SCALE)
+        mbarrier.arrive(q_empty.index(b), count=1)  # every S of this item is retired
+        c0 += n_kt
+        # epilogue: O = acc / l (back from units of 2^(ref - 8)), LSE in natural log. The loader
+        # is already fetching the next item's Q, K and V meanwhile.
+        if QUANT:
+            acc = acc * gl.expand_dims(gl.convert_layout(_exp2_int(ref_i + 119), orow_l), 1)
+        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+        o = acc / gl.expand_dims(gl.convert_layout(l_safe, orow_l), 1)
+        m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
+        lse = gl.where(l_i == 0.0, float("-inf"), (m_use + gl.log2(l_safe)) * 0.6931471805599453)
+        gl.store(LSE + h * T_Q + rows, lse, mask=qmask)
+        rows_o = gl.convert_layout(rows, orow_l)
+        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        ptrs = O + (gl.expand_dims(rows_o, 1) * H + h) * D + gl.expand_dims(offs_d, 0)
+        omask = gl.expand_dims(rows_o < q_end, 1) & gl.expand_dims(offs_d < D, 0)
+        gl.store(ptrs, o.to(O.dtype.element_ty), mask=omask)
 
 # ------------------------------------------------------------------------------------------------
 # the kernel
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
 def _attn_fwd_hopper(q_desc, k_desc, v_desc, ks_desc, vs_desc, EQ, EK, EV, EKS, EVS, O, LSE, TILES,
-                     sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK,
+                     sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK, n_items,
                      D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, QUANT: gl.constexpr,
                      TILE_SAFEGUARD: gl.constexpr):
-    h = gl.program_id(0)  # heads fastest: the LPT order of the tile table holds across heads
-    tile = gl.program_id(1)
-    hk = h // (H // HK)
-    row = TILES + tile * 8
-    q_start = gl.load(row + 0)
-    q_end = gl.load(row + 1)
-    qd_start = gl.load(row + 2)
-    qd_end = gl.load(row + 3)
-    kd_start = gl.load(row + 4)
-    kd_end = gl.load(row + 5)
-    v_base = gl.load(row + 6) if QUANT else kd_start
-    if QUANT:
-        # Exponent rows (H, T_padded) use the padded token layout (a document at its 16-aligned
-        # column OWN_PAD / OTHER_PAD): pointers shifted here so that the code below indexes them
-        # by token, this head's row and document included.
-        EQ = EQ + h * T_QPAD + (gl.load(row + 7) - qd_start)
-        col = hk * T_KPAD + (v_base - kd_start)
-        EK = EK + col
-        EV = EV + col
-        EKS = EKS + col
-        EVS = EVS + col
-    shift = (kd_end - kd_start) - (qd_end - qd_start)
-    kd_len = kd_end - kd_start
-    # flamia's _key_range for 128-row query tiles and BLOCK_N-key tiles
-    if CAUSAL:
-        first = q_start - qd_start + shift
-        n_full = gl.maximum(first + 1, 0) // BLOCK_N * BLOCK_N
-        if TILE_SAFEGUARD:
-            n_full = gl.minimum(n_full, gl.maximum(first, 0) // BLOCK_TOKENS * BLOCK_TOKENS
-                                // BLOCK_N * BLOCK_N)
-        hi = gl.minimum(kd_len, q_end - qd_start + shift)
-    else:
-        n_full = kd_len // BLOCK_N * BLOCK_N
-        hi = kd_len
-    n_unmasked = n_full // BLOCK_N
-    n_kt = (hi + BLOCK_N - 1) // BLOCK_N
-
-    q_s = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    # Q: two buffers x two warpgroups (64 rows each), so the next item's Q loads during this one
+    q_s = gl.allocate_shared_memory(q_desc.dtype, [4] + q_desc.block_type.shape, q_desc.layout)
     k_s = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_s = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     sc_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     sk_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], sc_l)
     ev_s = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], sc_l)
     sc_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    for i in gl.static_range(4):
         mbarrier.init(q_bar.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)  # its warpgroup is done with the buffer
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -445,18 +498,18 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, ks_desc, vs_desc, EQ, EK, EV, EKS, 
     WG0: gl.constexpr = 0
     WG1: gl.constexpr = 1
     gl.warp_specialize([
-        (_consumer, (q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_empty,
-                     EQ, EK, EV, O, LSE, sm_scale_log2, T_Q, H,
-                     h, hk, q_start, q_end, qd_start, kd_start, kd_end, shift, n_kt, n_unmasked,
-                     WG0, D, BLOCK_N, STAGES, CAUSAL, QUANT, ONE_SCALE)),
-        (_consumer, (q_s, k_s, v_s, sk_s, ev_s, q_bar, k_ready, v_ready, sc_ready, kv_empty,
-                     EQ, EK, EV, O, LSE, sm_scale_log2, T_Q, H,
-                     h, hk, q_start, q_end, qd_start, kd_start, kd_end, shift, n_kt, n_unmasked,
-                     WG1, D, BLOCK_N, STAGES, CAUSAL, QUANT, ONE_SCALE)),
+        (_consumer, (q_s, k_s, v_s, sk_s, ev_s, q_bar, q_empty, k_ready, v_ready, sc_ready,
+                     kv_empty, EQ, EK, EV, O, LSE, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H,
+                     HK, n_items, WG0, D, BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, QUANT,
+                     TILE_SAFEGUARD, ONE_SCALE)),
+        (_consumer, (q_s, k_s, v_s, sk_s, ev_s, q_bar, q_empty, k_ready, v_ready, sc_ready,
+                     kv_empty, EQ, EK, EV, O, LSE, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H,
+                     HK, n_items, WG1, D, BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, QUANT,
+                     TILE_SAFEGUARD, ONE_SCALE)),
         (_loader, (q_desc, k_desc, v_desc, ks_desc, vs_desc, q_s, k_s, v_s, sk_s, ev_s, q_bar,
-                   k_ready, v_ready, sc_ready, kv_empty, EK, EV, EKS, EVS, q_start, h, hk,
-                   kd_start, kd_end, v_base, n_kt, n_unmasked,
-                   D, BLOCK_N, STAGES, QUANT, TILE_SAFEGUARD)),
+                   q_empty, k_ready, v_ready, sc_ready, kv_empty, EK, EV, EKS, EVS, TILES, T_KPAD,
+                   H, HK, n_items, D, BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, QUANT,
+                   TILE_SAFEGUARD)),
     ], [4, 1], [240, 24])
 
 
@@ -484,6 +537,11 @@ def unsupported_reason(recipe: str, dtype, safeguard_mode: str):
         return ("the per-pair causal safeguard (block_tokens 32 or 64, or 128 with causal shifts "
                 "that are not multiples of 128)")
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)
@@ -536,13 +594,14 @@ def attn_fwd(q_data, q_exp, k_data, k_exp, v_data, v_exp, o, lse, tiles, *, soft
         vsd = _desc(vts, (HK * D, v_len), (vts.shape[-1], 1), (D, BN))
     else:  # None: no descriptors to encode at launch (TILE_SAFEGUARD's branch is compiled out)
         ksd, vsd, eks, evs = None, None, EK, EV
-    n = tiles.shape[0]
-    if n == 0:
+    n_items = tiles.shape[0] * H
+    if n_items == 0:
         return o, lse
-    _attn_fwd_hopper[(H, n)](qd, kd, vd, ksd, vsd, EQ, EK, EV, eks, evs, o, lse, tiles,
-                             softmax_scale * 1.4426950408889634, Tq, EQ.shape[-1], EK.shape[-1],
-                             H, HK,
-                             D=D, BLOCK_N=BN, STAGES=STAGES, BLOCK_TOKENS=block_tokens,
-                             CAUSAL=causal, QUANT=quant, TILE_SAFEGUARD=tile_safeguard,
-                             num_warps=4, maxnreg=168)
+    ctas = min(n_items, _sm_count(o.device))  # persistent: one CTA per SM
+    _attn_fwd_hopper[(ctas,)](qd, kd, vd, ksd, vsd, EQ, EK, EV, eks, evs, o, lse, tiles,
+                              softmax_scale * 1.4426950408889634, Tq, EQ.shape[-1], EK.shape[-1],
+                              H, HK, n_items,
+                              D=D, BLOCK_N=BN, STAGES=STAGES, BLOCK_TOKENS=block_tokens,
+                              CAUSAL=causal, QUANT=quant, TILE_SAFEGUARD=tile_safeguard,
+                              num_warps=4, maxnreg=168)
     return o, lse

@@ -524,6 +524,33 @@ def test_quantizer_second_tensor_same_launch(bt, copy):
         flamia.quantize_mxfp8(k, plan, bt, "q", second=(v[:, :1], True))
 
 
+@pytest.mark.parametrize("bt,copy", [(1, False), (128, True)])
+def test_quantizer_queries_same_launch(bt, copy):
+    """quantize_mxfp8(queries=q) -- the forward's one quantizer launch for Q, K and V (GQA: Q has
+    more heads) -- writes for Q exactly what quantize_mxfp8(q, plan, 1) writes, and K, V as without
+    it. Q needs the key side's documents: a cross-attention plan is refused by name."""
+    gen = torch.Generator().manual_seed(71 + bt)
+    lens = QUANT_LAYOUTS[0]
+    offs, cu = offsets_of(lens), cu_of(lens)
+    q = _wide_range(gen, offs[-1], 4, 64, BF16).to(DEVICE)
+    k, v = (_wide_range(gen, offs[-1], 2, 64, BF16).to(DEVICE) for _ in range(2))
+    plan = flamia.Plan(cu)
+    end = sum(flamia._pad16(b - a) for a, b in zip(offs, offs[1:]))
+    _poison_allocator()
+    kq, vq, qq = flamia.quantize_mxfp8(k, plan, bt, "k", per_token_copy=copy, second=(v, True),
+                                       queries=q)
+    q1 = flamia.quantize_mxfp8(q, plan, 1, "q")
+    kq1, vq1 = flamia.quantize_mxfp8(k, plan, bt, "k", per_token_copy=copy, second=(v, True))
+    assert qq.data_t is None and qq.data.shape == q.shape
+    assert_bitwise(qq.data, q1.data, "Q data")
+    assert_bitwise(qq.exp[:, :end], q1.exp[:, :end], "Q exponents")
+    for got, want in zip(kq + vq if copy else (kq, vq), kq1 + vq1 if copy else (kq1, vq1)):
+        assert_bitwise(got.exp[:, :end], want.exp[:, :end], "K/V exponents beside Q")
+    cross = flamia.Plan(cu, cu_of(lens[::-1]))
+    with pytest.raises(ValueError, match="queries= needs a plan"):
+        flamia.quantize_mxfp8(k, cross, bt, "k", queries=q)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
 def test_triton_quantizer_nonfinite(bad):
     """One non-finite element makes its whole block (that head only) E8M0 NaN (255) with NaN data -- in the Triton quantizer and in the reference alike -- while every other
@@ -1647,6 +1674,24 @@ def test_gluon_deterministic_and_differentiable():
     flamia.reference_attention(*xf, cu_of(lens), recipe="mxfp8").backward(do.float())
     for name, x, r in zip("qkv", (q, k, v), xf):
         assert_rel(x.grad, r.grad, tol("grad", "mxfp8", 128), f"d{name} through the Gluon forward")
+
+
+@needs_gluon
+@pytest.mark.parametrize("recipe,bt", [("mxfp8", 1), ("mxfp8", 128), ("bf16", 1)])
+def test_gluon_persistent_grid(monkeypatch, recipe, bt):
+    """The grid is persistent: a CTA walks many (query tile, head) items, its K/V ring position and
+    Q buffers running on from one item to the next. With 1 and 3 CTAs (52 items each way: a ring
+    phase or a Q buffer confused between items corrupts the next item, or deadlocks) the outputs
+    are bitwise those of one CTA per item."""
+    lens = (700, 33, 1, 290, 129)  # 13 query tiles x 4 heads
+    q, k, v = qkv(65 + bt, sum(lens), D=128)
+    kw = dict(recipe=recipe, block_tokens=bt, backend="gluon", return_lse=True)
+    o, lse = api(q, k, v, lens, **kw)
+    for ctas in (1, 3):
+        monkeypatch.setattr(flamia.flamia_hopper, "_sm_count", lambda device, n=ctas: n)
+        o_p, lse_p = api(q, k, v, lens, **kw)
+        assert_bitwise(o_p, o, f"O with {ctas} CTAs")
+        assert_bitwise(lse_p, lse, f"LSE with {ctas} CTAs")
 
 
 @needs_gluon
