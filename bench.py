@@ -229,6 +229,9 @@ def bench_attention(args):
                  # 128-token scale blocks: the forward's unmasked tiles take scalar scales (faster forward on
                  # long documents; slower backward, see README "Choosing block_tokens")
                  "flamia-mxfp8 B_t=128": lambda: flamia_impl("mxfp8", lens, block_tokens=128),
+                 # the portable tl forward (on Hopper the default above is the Gluon forward)
+                 "flamia-mxfp8 B_t=128 tl": lambda: flamia_impl("mxfp8", lens, block_tokens=128,
+                                                                backend="wgmma"),
                  "flamia-bf16": lambda: flamia_impl("bf16", lens),
                  "flamia-nvfp4 (FP4 emulated on Hopper)": lambda: flamia_impl("nvfp4", lens),
                  "flamia-mxfp4 (FP4 emulated on Hopper)": lambda: flamia_impl("mxfp4", lens),

@@ -43,11 +43,13 @@ What ran where: every kernel runs in CI under Triton's CPU interpreter and on an
 Blackwell path (backend="dot_scaled", E8M0 scales inside the MMA) has run under the interpreter
 and through Triton's bf16 emulation on Hopper, never on a Blackwell GPU.
 """
+import functools
 import math
 import os
+import warnings
 import weakref
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -1356,6 +1358,7 @@ except Exception as e:  # absent, or this triton's Gluon API differs from the on
     _GLUON_IMPORT_ERROR = f"flamia_hopper.py not importable: {type(e).__name__}: {e}"
 
 
+@functools.lru_cache(maxsize=None)  # facts of the process: the file, triton, the GPU
 def gluon_unavailable_reason():
     """None where backend="gluon" runs (flamia_hopper.py, triton 3.6, sm_90), else why not."""
     if flamia_hopper is None:
@@ -1848,10 +1851,11 @@ def _check_finite(q, k, v) -> None:
 
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
             cu_seqlens_k: torch.Tensor, dense: list[int], causal: bool, softmax_scale: float,
-            recipe: str, block_tokens: int, safeguard: bool, backend: str,
+            recipe: str, block_tokens: int, safeguard: bool, backend: Optional[str],
             check_finite: bool) -> list[torch.Tensor]:
     plan = _plan_for(cu_seqlens_q, cu_seqlens_k, dense)
     _check_plan(plan, q.shape[0], k.shape[0])
+    backend = backend or _default_backend(q, recipe, block_tokens, plan, causal, safeguard)
     if check_finite:
         _check_finite(q, k, v)
     r = _RECIPES[recipe]
@@ -1961,22 +1965,48 @@ def _check_qkv(q, k, v, dims: int) -> None:
                          f"of k/v heads ({k.shape[-2]}) (GQA/MQA)")
 
 
-def _default_backend(x: torch.Tensor, recipe: str) -> str:
-    # Blackwell (sm_100+) applies E8M0 scales in its tensor cores; Hopper has plain fp8 wgmma, where
-    # tl.dot_scaled is emulated through bf16 (README). nvfp4's E4M3 block scales are no
-    # tl.dot_scaled input: it stays the exact bf16 emulation everywhere.
+def _default_backend(x: torch.Tensor, recipe: str, block_tokens: int = 1, plan: Plan = None,
+                     causal: bool = True, safeguard: bool = True) -> str:
+    """backend=None, resolved per call (the plan decides whether the Gluon kernel can compute it).
+    Blackwell (sm_100+) applies E8M0 scales in its tensor cores: dot_scaled for the MX recipes
+    (nvfp4's E4M3 block scales are no tl.dot_scaled input: it stays the exact bf16 emulation).
+    Hopper: the Gluon forward where it measured fastest on the H200 (mxfp8 with block_tokens a
+    multiple of 128 at head_dim 128, README); wgmma (tl) otherwise, and where Gluon cannot run or
+    compute the call, which is said once."""
     if _RECIPES[recipe].dot_scaled and _is_blackwell(x):
         return "dot_scaled"
+    hopper = x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9
+    if hopper and recipe == "mxfp8" and block_tokens % 128 == 0 and x.shape[-1] == 128:
+        why = _gluon_refusal(x, recipe, block_tokens, plan, causal, safeguard)
+        if why is None:
+            return "gluon"
+        if why not in _SAID:
+            _SAID.add(why)
+            warnings.warn(f"FLAMIA: not using the Gluon forward (the fastest on this GPU for this "
+                          f"configuration): {why}; the tl forward computes the same function")
     return "wgmma"
 
 
-def _check_options(recipe, block_tokens, backend, x) -> str:
-    """Validates the FLAMIA options; returns the backend to use."""
+_SAID = set()  # reasons already given for not taking the Gluon forward by default
+
+
+def _gluon_refusal(x, recipe, block_tokens, plan, causal, safeguard):
+    """None when the Gluon forward can compute this call, else why not."""
+    why = gluon_unavailable_reason()
+    if why is None and plan is not None:
+        mode = _safeguard_mode(plan, _RECIPES[recipe], causal, safeguard, block_tokens,
+                               flamia_hopper.BLOCK_M, 128)
+        why = flamia_hopper.unsupported_reason(recipe, x.dtype, mode)
+    return why
+
+
+def _check_options(recipe, block_tokens, backend, x) -> None:
+    """Validates the FLAMIA options (backend None: chosen per call by _default_backend)."""
     if recipe not in _RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
     _check_block_tokens(block_tokens)
     if backend is None:
-        return _default_backend(x, recipe)
+        return
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     if backend == "gluon" and gluon_unavailable_reason():
@@ -1984,7 +2014,6 @@ def _check_options(recipe, block_tokens, backend, x) -> str:
     if backend == "dot_scaled" and not _RECIPES[recipe].dot_scaled:
         raise ValueError(f"backend='dot_scaled' is for recipe='mxfp8' or 'mxfp4', got "
                          f"recipe={recipe!r} (tl.dot_scaled takes no E4M3 block scales)")
-    return backend
 
 
 def _attention(q, k, v, cu_q, cu_k, dense, causal, softmax_scale, recipe, block_tokens, safeguard,
@@ -2022,14 +2051,16 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         (same S, less quantization error when head-dim channels have outliers).
     backend: "wgmma" (fp8 tl.dot, scales outside the MMA), "dot_scaled" (E8M0 scales inside the
         MMA) or "gluon" (flamia_hopper.py's warp-specialized Hopper forward, bf16 / mxfp8); default:
-        dot_scaled on Blackwell (sm_100+) for mxfp8 / mxfp4, wgmma otherwise.
+        dot_scaled on Blackwell (sm_100+) for mxfp8 / mxfp4; on Hopper gluon for mxfp8 with
+        block_tokens a multiple of 128 at head_dim 128 (where it measured fastest) when it can
+        compute the call (else wgmma, with a one-time warning saying why); wgmma otherwise.
     plan: flamia_plan(cu_seqlens_q, cu_seqlens_k), built once per batch and shared by all layers;
         without it each call finds or builds one (a host sync when it builds).
     check_finite: raise ValueError on inf/NaN inputs (one host sync per call).
     Returns out (total_q, H, D) [and lse (H, total_q), natural log, not differentiable].
     """
     _check_qkv(q, k, v, 3)
-    backend = _check_options(recipe, block_tokens, backend, q)
+    _check_options(recipe, block_tokens, backend, q)
     if plan is not None:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a flamia.Plan (from flamia_plan), got "
@@ -2062,7 +2093,7 @@ def flamia_attn_func(q, k, v, *, causal=True, softmax_scale=None, recipe="mxfp8"
     """FLAMIA attention on (batch, seqlen, heads, head_dim) tensors; see flamia_attn_varlen_func.
     Returns out (B, Sq, H, D) [and lse (B, H, Sq)]. No host sync (the Plan comes from shapes)."""
     _check_qkv(q, k, v, 4)
-    backend = _check_options(recipe, block_tokens, backend, q)
+    _check_options(recipe, block_tokens, backend, q)
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and "
                          f"{k.shape[0]}")

@@ -13,6 +13,7 @@ prints the max / mean absolute difference (and the relative L2 error where a tol
 import functools
 import re
 import math
+import warnings
 
 import pytest
 import torch
@@ -1159,6 +1160,31 @@ def test_default_backend_per_recipe_and_gpu(monkeypatch):
     assert flamia._default_backend(torch.zeros(1), "mxfp8") == "wgmma"
 
 
+def test_default_backend_gluon_on_hopper(monkeypatch):
+    """On Hopper backend=None takes the Gluon forward where it measured fastest (mxfp8, block_tokens
+    a multiple of 128, head_dim 128) if it can compute the call; where it cannot (unavailable, or a
+    configuration it lacks), the tl forward, saying why ONCE per reason -- never silently."""
+    class FakeHopper:  # what _default_backend reads
+        is_cuda, device, shape, dtype = True, "cuda:0", (8, 4, 128), BF16
+    class FakeD64(FakeHopper):
+        shape = (8, 4, 64)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(flamia, "_SAID", set())
+    refusal = [None]
+    monkeypatch.setattr(flamia, "_gluon_refusal", lambda *a: refusal[0])
+    assert flamia._default_backend(FakeHopper(), "mxfp8", 128) == "gluon"
+    assert flamia._default_backend(FakeHopper(), "mxfp8", 256) == "gluon"
+    for x, recipe, bt in ((FakeHopper(), "mxfp8", 1), (FakeHopper(), "mxfp8", 64), (FakeD64(), "mxfp8", 128),
+                          (FakeHopper(), "bf16", 128), (FakeHopper(), "nvfp4", 128)):
+        assert flamia._default_backend(x, recipe, bt) == "wgmma", (x.shape, recipe, bt)
+    refusal[0] = "flamia_hopper.py not importable: ImportError: gone"
+    with pytest.warns(UserWarning, match="not using the Gluon forward.*not importable"):
+        assert flamia._default_backend(FakeHopper(), "mxfp8", 128) == "wgmma"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same reason again: said once already
+        assert flamia._default_backend(FakeHopper(), "mxfp8", 128) == "wgmma"
+
+
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4"])
 def test_forward_dot_scaled_backend(recipe):
     """backend="dot_scaled" (E8M0 scales inside tl.dot_scaled; runs in the interpreter with triton 3.9,
@@ -1692,6 +1718,28 @@ def test_gluon_persistent_grid(monkeypatch, recipe, bt):
         o_p, lse_p = api(q, k, v, lens, **kw)
         assert_bitwise(o_p, o, f"O with {ctas} CTAs")
         assert_bitwise(lse_p, lse, f"LSE with {ctas} CTAs")
+
+
+@needs_gluon
+def test_gluon_is_the_hopper_default_where_fastest():
+    """backend=None on the H200: mxfp8 with block_tokens=128 at head_dim 128 runs the Gluon forward
+    (bitwise what backend='gluon' gives); B_t=1 and a call Gluon lacks (the per-pair safeguard of a
+    causal shift not a multiple of 128) run the tl forward, the latter with a warning."""
+    lens = (300, 129, 1)
+    q, k, v = qkv(66, sum(lens), D=128)
+    kw = dict(recipe="mxfp8", block_tokens=128, return_lse=True)
+    for got, want in zip(api(q, k, v, lens, **kw), api(q, k, v, lens, backend="gluon", **kw)):
+        assert_bitwise(got, want, "default vs backend='gluon'")
+    for got, want in zip(api(q, k, v, lens, recipe="mxfp8", return_lse=True),
+                         api(q, k, v, lens, recipe="mxfp8", backend="wgmma", return_lse=True)):
+        assert_bitwise(got, want, "B_t=1 default vs backend='wgmma'")
+    flamia._SAID.clear()
+    q2, k2, v2 = qkv(67, 100, Tk=150, D=128)
+    with pytest.warns(UserWarning, match="not using the Gluon forward.*per-pair"):
+        got = api(q2, k2, v2, (100,), (150,), **kw)
+    want = api(q2, k2, v2, (100,), (150,), backend="wgmma", **kw)
+    for g, w in zip(got, want):
+        assert_bitwise(g, w, "fallback vs backend='wgmma'")
 
 
 @needs_gluon
