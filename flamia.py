@@ -16,7 +16,7 @@ here is derived from it, from public analyses of the low-precision leak (MatX, T
   7. auditor          audit_causality: a bitwise leak test for any attention implementation
   8. interpreter      numerics fixes for Triton's CPU interpreter (applied whenever it runs)
 The optional companion flamia_hopper.py holds a Hopper-only warp-specialized Gluon forward
-(backend="gluon"); this file alone is complete.
+(backend="gluon"; on sm_90 the default where it is fastest); this file alone is complete.
 
 The leak, in one paragraph. A scale shared by several tokens is a function of all of them. If key
 j's quantized value depends on a later token j' of its block, a query i with j <= i < j' sees the
@@ -1349,7 +1349,8 @@ def _attn_forward(q, k, v, ops, plan: Plan, *, causal, softmax_scale, recipe, bl
 # The Hopper-specific forward (backend="gluon"): flamia_hopper.py, an FA3-style warp-specialized
 # Gluon kernel (TMA producer warp, two consumer warpgroups, async wgmma) on the same operands, with
 # the same function and safeguard, for bf16 and mxfp8 on sm_90 with triton 3.6. It is optional:
-# where it is absent or cannot run, backend="gluon" is refused with the reason, never replaced.
+# where it is absent or cannot run, backend="gluon" is refused with the reason, never replaced, and
+# the default (_default_backend) takes the tl forward, saying why once.
 _GLUON_IMPORT_ERROR = None
 try:
     import flamia_hopper
