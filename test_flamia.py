@@ -453,7 +453,7 @@ def test_e4m3_integer_encoder_matches_torch_cast():
                               f"got {y.cpu()[bad[:4]].tolist()}, torch {want[bad[:4]].tolist()}")
 
 
-@pytest.mark.parametrize("bt", [1, 32, 128])
+@pytest.mark.parametrize("bt", [1, 32, 64, 128])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 def test_triton_quantizer_bit_identical(dtype, D, bt):
