@@ -1198,8 +1198,11 @@ def _attn_fwd(
         k_row = (kd_start * HK + hk) * D
     K, KS, KB = K + k_row, KS + k_row, KB + (kd_start * HK + hk) * (D // 32)
     e_row = hk * T_KPAD + v_base  # E8M0 rows: padded, like V^T
-    EK = EK + (e_row if K_FORMAT == "e4m3" else hk * T_K + kd_start)  # FP4: (HK, Tk) fp32
-    EV, EKS, EVS = EV + e_row, EKS + e_row, EVS + e_row
+    # K's scale row, the same for K and its per-token copy KS (the safeguard may read either): E8M0
+    # in the padded layout, or FP4's token-indexed (HK, Tk) fp32 second level (then KS is K itself).
+    ek_row = e_row if K_FORMAT == "e4m3" else hk * T_K + kd_start
+    EK, EKS = EK + ek_row, EKS + ek_row
+    EV, EVS = EV + e_row, EVS + e_row
     V, VS = V + hk * stride_vh + v_base * stride_vt, VS + hk * stride_vh + v_base * stride_vt
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)

@@ -10,6 +10,7 @@ prints the max / mean absolute difference (and the relative L2 error where a tol
 "bitwise" means identical bytes (fp8 data is compared through .view(torch.uint8)).
     python -m pytest -q test_flamia.py            (the README / CI command)
 """
+import contextlib
 import functools
 import re
 import math
@@ -1023,7 +1024,8 @@ def tol(kind, recipe=None, D=64):
 
 
 def lse_tol(recipe, backend="wgmma", D=64):
-    return tol("lse_fp8_mma" if recipe == "mxfp8" and backend == "wgmma" else "lse", D=D)
+    fp8_mma = recipe == "mxfp8" and backend in ("wgmma", "gluon")  # both: Hopper's fp8 wgmma for Q K^T
+    return tol("lse_fp8_mma" if fp8_mma else "lse", D=D)
 
 
 def gain(a, b):
@@ -1323,6 +1325,115 @@ def test_backward_safeguard_numerics(bt):
             gap = rel_l2(x[0].grad[early], r[0].grad[early])
             print(f"[measured] early rows' dq, kernel vs unsafe oracle: rel L2 {gap:.3f}")
             assert gap > 0.25, f"the unsafe oracle's dq is only {gap:.3f} away: this layout has no teeth"
+
+
+# ---------------------------------------------------------------------------------------------
+# 9b. The configuration grid: every supported configuration, forward and backward, on poisoned memory
+# ---------------------------------------------------------------------------------------------
+# Per-site tests above pick a few configurations each; a configuration none of them picked (FP4 K with
+# block_tokens=128: the per-tile safeguard read K's scale row at the wrong offset) went wrong unseen.
+# Here every (backend that runs here x recipe x block_tokens x head_dim x causal x safeguard) meets the
+# oracle of the same configuration, O, LSE and gradients (_check_forward, _check_grads), on the packed
+# edge-case layout LENS_FWD with GQA. Configurations that compute the same function are run once (the
+# safeguard only acts on causal quantized recipes with block_tokens > 1). Every call runs with
+# uninitialized memory poisoned (_poisoned_memory): a kernel that reads what nobody wrote sees NaN /
+# 0xFF scales, and it shows in O or the gradients, instead of passing on whatever the allocator had.
+@contextlib.contextmanager
+def _poisoned_memory():
+    """torch.empty & co. return NaN (floats, E4M3 0x7F), 0xFF (uint8: the E8M0 NaN) or INT_MAX, on the
+    CPU and the GPU, through torch's deterministic mode (warn_only: nothing else of it is needed)."""
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.utils.deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "... does not have a deterministic implementation"
+            yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.utils.deterministic.fill_uninitialized_memory = before[2]
+
+
+def test_poisoned_memory_is_poison():
+    """The grid's poisoning is active where the kernels allocate: on this device, for every dtype the
+    operands use (if torch stopped filling, the grid would silently test nothing)."""
+    with _poisoned_memory():
+        f = torch.empty(64, device=DEVICE)
+        b = torch.empty(64, dtype=torch.uint8, device=DEVICE)
+        e = torch.zeros(1, device=DEVICE).new_empty(8, dtype=F8)
+    assert f.isnan().all() and (b == 255).all() and (e.view(torch.uint8) == 0x7F).all()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("recipe,bt", [(r, b) for r in flamia.RECIPES for b in (1, 32, 128)])
+def test_outputs_do_not_depend_on_unwritten_memory(recipe, bt):
+    """Forward and backward on poisoned memory (NaN everywhere torch.empty hands out memory) give
+    bitwise the outputs and gradients of the same call on ordinary memory: nothing a kernel reads was
+    left unwritten (ordinary memory holds whatever the allocator had, so a read of it would differ)."""
+    q, k, v = qkv(62 + bt, sum(LENS_FWD))
+    do = randn(torch.Generator().manual_seed(63), sum(LENS_FWD), 4, 64)
+    kw = dict(causal=True, recipe=recipe, block_tokens=bt)
+    plain = _fwd_bwd(q, k, v, LENS_FWD, do, **kw)
+    with _poisoned_memory():
+        poisoned = _fwd_bwd(q, k, v, LENS_FWD, do, **kw)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), plain, poisoned):
+        assert_bitwise(b, a, f"{recipe} bt={bt} {name}: poisoned vs ordinary memory")
+
+
+def _grid_backends():
+    """(backend, reason it cannot run here or None)."""
+    blackwell_emulated = DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >= 9
+    return [("wgmma", None),
+            ("dot_scaled", None if blackwell_emulated else "tl.dot_scaled needs sm_90+ or the interpreter"),
+            ("gluon", flamia.gluon_unavailable_reason())]
+
+
+def _grid():
+    cases = []
+    for backend, why in _grid_backends():
+        for recipe in flamia.RECIPES:
+            if backend == "dot_scaled" and not flamia._RECIPES[recipe].dot_scaled:
+                continue  # refused: tl.dot_scaled takes no E4M3 block scales (test_api_rejects_bad_inputs)
+            for bt in flamia.BLOCK_TOKENS:
+                for D in flamia.HEAD_DIMS:
+                    for causal in (True, False):
+                        for safeguard in (True, False):
+                            acts = recipe != "bf16" and causal and bt > 1
+                            if not safeguard and not acts:
+                                continue  # the same function as safeguard=True
+                            # Gluon: bf16 and mxfp8, safeguard off or per tile (LENS_FWD: block_tokens 1 or
+                            # 128); the rest it refuses (test_gluon_refuses_what_it_does_not_compute).
+                            if backend == "gluon" and (recipe not in ("bf16", "mxfp8") or (acts and safeguard
+                                                                                            and bt < 128)):
+                                continue
+                            marks = [pytest.mark.skip(reason=why)] if why else []
+                            cases.append(pytest.param(backend, recipe, bt, D, causal, safeguard, marks=marks,
+                                                      id=f"{backend}-{recipe}-bt{bt}-d{D}-"
+                                                         f"{'causal' if causal else 'full'}"
+                                                         f"{'' if safeguard else '-unsafe'}"))
+    return cases
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("backend,recipe,bt,D,causal,safeguard", _grid())
+def test_configuration_grid(backend, recipe, bt, D, causal, safeguard):
+    """One supported configuration: O and LSE vs the oracle (_check_forward), dq, dk, dv vs autograd
+    through it (_check_grads), both computed on poisoned memory. safeguard=False is checked against the
+    oracle's leaky function (that it leaks: section 11)."""
+    q, k, v = qkv(60 + bt + D + causal, sum(LENS_FWD), D=D, requires_grad=True)
+    do = randn(torch.Generator().manual_seed(61), sum(LENS_FWD), 4, D)
+    kw = dict(causal=causal, recipe=recipe, block_tokens=bt, safeguard=safeguard)
+    with _poisoned_memory():
+        o, lse = api(q, k, v, LENS_FWD, backend=backend, return_lse=True, **kw)
+        o.backward(do)
+    what = f"{backend} {recipe} bt={bt} D={D} causal={causal} safeguard={safeguard}"
+    cu = cu_of(LENS_FWD)
+    ro, rlse = flamia.reference_attention(q, k, v, cu, return_lse=True, **kw)
+    f64 = flamia.attention_fp64(q.detach(), k.detach(), v.detach(), cu, causal=causal)
+    _check_forward(o.detach(), lse, ro.detach(), rlse.detach(), f64, recipe, what, backend)
+    _check_grads((q, k, v), q, k, v, do, o, cu, cu, what, **kw)
 
 
 def _outlier_channels(q, k):
