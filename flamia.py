@@ -319,10 +319,34 @@ class Plan:
         # the per-tile safeguard needs query tiles that lie inside one key block (_tile_safeguard).
         self.shift_gcd = math.gcd(*(lk - lq for lq, lk in lens))
         self._tables = {}
+        # The cu_seqlens tensors known to hold this plan's offsets (check_offsets): those it was built
+        # from and its device copies, as (weak reference, version) by (id, side).
+        self._known = {}
+        for side, tensors in (("q", (cu_seqlens_q, self.cu_seqlens_q)),
+                              ("k", (cu_seqlens_k, self.cu_seqlens_k))):
+            for t in tensors:
+                self._known[id(t), side] = (weakref.ref(t), t._version)
         key = id(self.cu_seqlens_q)  # every plan is found by the custom ops (see section 6)
         _PLANS[key] = self
         weakref.finalize(self.cu_seqlens_q, _PLANS.pop, key, None)
         self.version = self.cu_seqlens_q._version  # an in-place change of cu_seqlens invalidates it
+
+    def check_offsets(self, cu: torch.Tensor, name: str) -> None:
+        """Refuse cu_seqlens other than the ones this plan was built for: its tiles would cut the
+        tokens into the wrong documents, i.e. attend across documents. The plan's own tensors, unchanged
+        since, pass without a host sync; another tensor is compared once (one sync) and remembered
+        until it changes in place."""
+        side = name[-1]
+        known = self._known.get((id(cu), side))
+        if known is not None and known[0]() is cu and known[1] == cu._version:
+            return
+        offsets = self.offsets_q if side == "q" else self.offsets_k
+        if cu.shape != (len(offsets),) or cu.tolist() != offsets:
+            shown = lambda o: str(o if len(o) <= 8 else o[:8] + ["..."])
+            raise ValueError(f"{name} {shown(cu.tolist())} is not the cu_seqlens the plan was built for "
+                             f"{shown(offsets)}: build a plan for this batch (flamia_plan)")
+        for s in ("q", "k") if self.same_documents else (side,):  # self-attention: one read for both
+            self._known[id(cu), s] = (weakref.ref(cu), cu._version)
 
     @classmethod
     def dense(cls, batch: int, seqlen_q: int, seqlen_k: int, device) -> "Plan":
@@ -2059,7 +2083,8 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         block_tokens a multiple of 128 at head_dim 128 (where it measured fastest) when it can
         compute the call (else wgmma, with a one-time warning saying why); wgmma otherwise.
     plan: flamia_plan(cu_seqlens_q, cu_seqlens_k), built once per batch and shared by all layers;
-        without it each call finds or builds one (a host sync when it builds).
+        without it each call finds or builds one (a host sync when it builds). With a plan, the
+        cu_seqlens may be None (the plan's own); others than the plan's are refused (ValueError).
     check_finite: raise ValueError on inf/NaN inputs (one host sync per call).
     Returns out (total_q, H, D) [and lse (H, total_q), natural log, not differentiable].
     """
@@ -2071,11 +2096,12 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
                             f"{type(plan).__name__}")
         if plan.device != q.device:
             raise ValueError(f"the plan is on {plan.device} but q is on {q.device}")
-        for name, cu, mine in (("cu_seqlens_q", cu_seqlens_q, plan.cu_seqlens_q),
-                               ("cu_seqlens_k", cu_seqlens_k, plan.cu_seqlens_k)):
-            if isinstance(cu, torch.Tensor) and cu is not mine and cu.shape != mine.shape:
-                raise ValueError(f"{name} describes {cu.numel() - 1} documents but the plan was "
-                                 f"built for {mine.numel() - 1}")
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if cu is not None:  # None: the plan's own
+                _check_cu_seqlens(cu, name)
+                # compiling: the comparison may read cu to the host, which a traced graph cannot
+                check = plan.check_offsets
+                (torch.compiler.disable(check) if torch.compiler.is_compiling() else check)(cu, name)
         cu_seqlens_q, cu_seqlens_k = plan.cu_seqlens_q, plan.cu_seqlens_k
     else:
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):

@@ -938,6 +938,33 @@ def test_a_plan_is_built_once_per_batch(monkeypatch):
     assert len(built) == 1, "a cu_seqlens changed in place must not reuse its old Plan"
 
 
+def test_a_plan_refuses_other_cu_seqlens(monkeypatch):
+    """plan= binds a call to the documents the plan was built for: other cu_seqlens (same count, other
+    boundaries: tokens would be attended as part of the wrong document) are refused, naming the argument,
+    also when they arrive as a tensor that has been compared once and then changed in place. The plan's
+    own tensors, and an equal tensor after its first comparison, cost no host read (counted)."""
+    host = torch.tensor([0, 40, 100], dtype=torch.int32)
+    plan = flamia.flamia_plan(host, device=DEVICE)
+    q, k, v = qkv(71, 100)
+    call = lambda cu_q, cu_k: flamia.flamia_attn_varlen_func(q, k, v, cu_q, cu_k, 60, 60, plan=plan)
+    ref = call(plan.cu_seqlens_q, plan.cu_seqlens_k)
+    for cu_q, cu_k, name in ((cu_of((50, 50)), plan.cu_seqlens_k, "cu_seqlens_q"),
+                             (plan.cu_seqlens_q, cu_of((50, 50)), "cu_seqlens_k"),
+                             (cu_of((40, 30, 30)), cu_of((40, 30, 30)), "cu_seqlens_q")):
+        with pytest.raises(ValueError, match=name):
+            call(cu_q, cu_k)
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or tolist(t))
+    equal = cu_of((40, 60))  # equal offsets, another tensor: compared once, then known
+    for cu in (host, plan.cu_seqlens_q, None, equal, equal):
+        assert_bitwise(call(cu, cu), ref, "a call with the plan's offsets")
+    assert len(reads) == 1, f"{len(reads)} host reads of cu_seqlens, expected 1 (the new tensor's comparison)"
+    equal[1] = 50  # changed in place after its comparison
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        call(equal, equal)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: device='cuda' names the current GPU")
 def test_plan_device_cuda_means_current_gpu():

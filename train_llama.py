@@ -424,7 +424,8 @@ def to_device(b: Batch, device) -> Batch:
     # ONE plan per batch, shared by every layer, fwd and bwd; built from the host offsets (no GPU sync)
     plan = flamia.flamia_plan(b.cu, device=device) if flamia.kernels_available(device) else None
     b = b.to(device)
-    b.plan = plan
+    if plan is not None:  # the plan's own device copy of the offsets: calls pass it, nothing to compare
+        b.cu, b.plan = plan.cu_seqlens_q, plan
     return b
 
 
