@@ -852,15 +852,21 @@ def _rotate_qk(q, k, softmax_scale):
 # scaling, dequantize, then exact attention with per-document (causal) masking. The kernels are
 # tested against it, and it is the CPU path. Quantizers are straight-through (identity gradient),
 # so autograd through it gives the gradients the kernels must reproduce.
+def _straight_through(x: torch.Tensor, deq: torch.Tensor) -> torch.Tensor:
+    """The value deq, exactly (x - x is 0), with the identity gradient to x. (x + (deq - x) would
+    round twice: not bit for bit the dequantized operand.)"""
+    x = x.float()
+    return deq + (x - x.detach())
+
+
 def _fake_quant(x: torch.Tensor, cu_seqlens: torch.Tensor, block_tokens: int) -> torch.Tensor:
     deq = quantize_mxfp8_reference(x.detach(), cu_seqlens, block_tokens).dequantize(cu_seqlens)
-    return x.float() + (deq - x.float()).detach()  # straight-through estimator
+    return _straight_through(x, deq)
 
 
 def _fake_quant_fp4(x: torch.Tensor, fmt: str) -> torch.Tensor:
     quantize = quantize_nvfp4_reference if fmt == "nvfp4" else quantize_mxfp4_reference
-    deq = dequantize_fp4(*quantize(x.detach()))  # fp32: the FP32 second level is not bf16
-    return x.float() + (deq - x.float()).detach()
+    return _straight_through(x, dequantize_fp4(*quantize(x.detach())))  # fp32: s2 is not bf16
 
 
 def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True,
