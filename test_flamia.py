@@ -2243,6 +2243,7 @@ def test_train_smoke_checkpoint_resume_and_leak_probe(tmp_path, cpu_training):
     assert len((tmp_path / "a" / "log.csv").read_text().splitlines()) == 17
     tf, ar, diff = full["leak"]
     assert abs(ar - tf) < 1e-4 and diff < 1e-3, full["leak"]  # safe recipe: no gap
+    assert full["audit"] == [], full["audit"]  # and its attention call passes the bitwise audit
     # preempted at step 8, resumed: the same losses, bit for bit
     half = tlm.main(args + ["--out_dir", str(tmp_path / "b"), "--stop_at", "8"])
     assert half["train_loss"] == full["train_loss"][:8]
@@ -2291,6 +2292,13 @@ def test_leak_probe_sees_the_unsafe_setting(cpu_training):
         tf, ar, diffs[leaky] = tlm.leak_probe(model, cfg, val, torch.device("cpu"), torch.autocast("cpu", enabled=False))
         assert abs(ar - tf) < 1e-4, (leaky, tf, ar)  # the loss gap itself is far below noise here
     assert diffs[False] < 1e-5 < diffs[True], diffs
+    # The trainer's attention audit shows the mechanism without the planted outlier direction: the
+    # unsafe call leaks into the future (never across documents), the safe one does not.
+    found = {leaky: tlm.attention_audit(tlm.parse_config(TINY + (["--unsafe_leaky_attention", "--attn", "mxfp8"]
+                                                                  if leaky else ["--attn", "mxfp8"])), "cpu")
+             for leaky in (False, True)}
+    assert found[False] == [] and found[True], found
+    assert all(f["kind"] == "future" for f in found[True]), found[True]
 
 
 def test_torchrun_two_ranks_gloo(tmp_path):

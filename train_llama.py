@@ -37,6 +37,7 @@ val_loss, lr, tokens_per_s) and out_train/loss.png.
 import argparse
 import contextlib
 import csv
+import functools
 import inspect
 import math
 import os
@@ -470,6 +471,17 @@ def leak_probe(model, cfg, val: Corpus, device, ctx):
     return F.cross_entropy(tf, targets).item(), F.cross_entropy(ar, targets).item(), (tf - ar).abs().max().item()
 
 
+def attention_audit(cfg, device) -> list:
+    """flamia.audit_causality of this run's attention call (recipe, block_tokens, safeguard): it plants
+    outliers, so it shows whether the mechanism leaks even where a short run's model has not learnt to
+    exploit the leak (the loss gap of leak_probe needs that). [] = no leak."""
+    leaky = cfg.unsafe_leaky_attention
+    attn = functools.partial(flamia.flamia_attn_varlen_func, recipe=cfg.attn, safeguard=not leaky,
+                             block_tokens=32 if leaky else cfg.block_tokens, rotate_qk=cfg.rotate_qk)
+    return flamia.audit_causality(attn, heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                                  device=device)
+
+
 # ---------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------
@@ -622,6 +634,11 @@ def train(cfg: Config) -> dict:
         log(f"leak probe ({cfg.attn}{', UNSAFE no safeguard' if cfg.unsafe_leaky_attention else ''}): teacher-forced "
             f"val loss {tf:.6f}, autoregressive {ar:.6f}, gap {ar - tf:+.2e} (~0: causal; > 0: the future leaked); "
             f"max |logit difference| {diff:.2e}")
+        if cfg.attn != "sdpa":
+            found = hist["audit"] = attention_audit(cfg, device)
+            log(f"attention audit ({cfg.attn}, outliers planted in q, k, v): {len(found)} leaking probes "
+                f"({sum(f['kind'] == 'future' for f in found)} into the future, "
+                f"{sum(f['kind'] == 'document' for f in found)} across documents); 0: causal")
     if world > 1:  # every rank finishes (rank 0's probe and files too) before any tears the group down:
         dist.barrier()  # a gloo rank leaving early can abort its peer
     return hist
