@@ -2243,6 +2243,17 @@ def varlen_adapter(dense_fn):
 # those operations through torch's correctly rounded casts; if the interpreter's internals have
 # moved, FLAMIA refuses to run interpreted rather than compute garbage.
 INTERPRETED = not isinstance(_attn_fwd, triton.runtime.JITFunction)
+# Older interpreters fail on these kernels (triton 3.6: a numpy TypeError on every kernel; 3.7: in
+# tl.dot_scaled); the GPU kernels run with triton >= 3.6.
+INTERPRETER_MIN_TRITON = (3, 8)
+
+
+def _check_interpreter_version() -> None:
+    if tuple(int(p) for p in triton.__version__.split(".")[:2]) < INTERPRETER_MIN_TRITON:
+        need = ".".join(map(str, INTERPRETER_MIN_TRITON))
+        raise RuntimeError(f"FLAMIA's kernels in Triton's CPU interpreter (TRITON_INTERPRET=1) need "
+                           f"triton >= {need}, found {triton.__version__}: pip install 'triton>={need}', "
+                           f"or unset TRITON_INTERPRET (without a GPU FLAMIA then runs its PyTorch oracle)")
 
 
 def _fix_interpreter_numerics():
@@ -2294,4 +2305,5 @@ def _fix_interpreter_numerics():
 
 
 if INTERPRETED:
+    _check_interpreter_version()
     _fix_interpreter_numerics()

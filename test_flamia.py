@@ -2360,8 +2360,8 @@ def test_varlen_adapter_audits_batched_callables(cpu_training):
 
 
 
-@pytest.mark.skipif(tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 8),
-                    reason="FLAMIA's kernels need triton >= 3.8 in the interpreter (README)")
+@pytest.mark.skipif(tuple(int(x) for x in triton.__version__.split(".")[:2]) < flamia.INTERPRETER_MIN_TRITON,
+                    reason="this triton's interpreter cannot run FLAMIA's kernels (flamia refuses it: next test)")
 def test_interpreter_numerics_fixed_outside_pytest():
     """TRITON_INTERPRET=1 in a plain script (no conftest): flamia fixes the interpreter's numerics
     itself, so the bf16 kernels match the oracle there too (unfixed, the error is ~1e9)."""
@@ -2378,6 +2378,18 @@ def test_interpreter_numerics_fixed_outside_pytest():
     interpreted, err = out.stdout.split()[-2:]
     assert interpreted == "True" and float(err) < 5e-3, out.stdout
 
+
+
+def test_old_interpreter_refused_with_the_version_needed():
+    """TRITON_INTERPRET=1 with a triton whose interpreter cannot run the kernels (3.6: a numpy TypeError
+    deep inside): importing flamia fails at once, naming the version needed and the alternatives."""
+    code = "import triton; triton.__version__ = '3.6.0'; import flamia"
+    env = dict(_env(cpu=True), TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=HERE, capture_output=True, text=True,
+                         timeout=600)
+    need = ".".join(map(str, flamia.INTERPRETER_MIN_TRITON))
+    assert out.returncode != 0 and f"need triton >= {need}, found 3.6.0" in out.stderr, out.stderr[-2000:]
+    assert "unset TRITON_INTERPRET" in out.stderr
 
 # ---------------------------------------------------------------------------------------------
 # 14. Blackwell (sm_100a), compiled offline: what a B200 would execute
