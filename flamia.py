@@ -10,7 +10,7 @@ here is derived from it, from public analyses of the low-precision leak (MatX, T
   1. formats          E4M3 + E8M0 scales (MXFP8); NVFP4 (E2M1 + E4M3 + FP32); MXFP4 (E2M1 + E8M0)
   2. scaling & plan   token-block, document-local scaling; recipes; the Plan (the varlen scheduler)
   3. quantizers       PyTorch references and the fused Triton quantizers (bit-identical)
-  4. reference oracle the exact function every recipe computes, plus exact fp64 attention
+  4. reference oracle what every recipe computes (P in fp32), plus exact fp64 attention
   5. kernels          fused Triton forward (5a) and backward (5b), with the causal safeguard
   6. public API       custom ops + autograd: flamia_attn_varlen_func, flamia_attn_func
   7. auditor          audit_causality: a bitwise leak test for any attention implementation
@@ -848,10 +848,13 @@ def _rotate_qk(q, k, softmax_scale):
 # ---------------------------------------------------------------------------------------------
 # 4. The reference oracle
 # ---------------------------------------------------------------------------------------------
-# reference_attention() is THE definition of what a recipe computes: quantize with the recipe's
-# scaling, dequantize, then exact attention with per-document (causal) masking. The kernels are
-# tested against it, and it is the CPU path. Quantizers are straight-through (identity gradient),
-# so autograd through it gives the gradients the kernels must reproduce.
+# reference_attention() defines what a recipe computes: quantize with the recipe's scaling,
+# dequantize, then exact attention with per-document (causal) masking. It does NOT round P: the
+# kernels also round P (times V's power-of-two scale, relative to the row's running max) to E4M3 for
+# the fp8 P V (bf16 for recipe="bf16"), a random error of ~1.5e-2 relative L2 in O (~2e-3 for bf16)
+# that the kernel-vs-oracle tolerances allow for; the backward's P and dS are rounded to bf16. The
+# kernels are tested against it, and it is the CPU path. Quantizers are straight-through (identity
+# gradient), so autograd through it gives the gradients the kernels must reproduce.
 def _straight_through(x: torch.Tensor, deq: torch.Tensor) -> torch.Tensor:
     """The value deq, exactly (x - x is 0), with the identity gradient to x. (x + (deq - x) would
     round twice: not bit for bit the dequantized operand.)"""
@@ -874,7 +877,8 @@ def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True
                         rotate_qk=False, return_lse=False):
     """q (Tq, H, D), k and v (Tk, Hk, D) packed documents -> o (Tq, H, D) [, lse (H, Tq) ln].
 
-    Computes in fp32 (fp64 if q is fp64) on the recipe's dequantized operands:
+    Computes in fp32 (fp64 if q is fp64) on the recipe's dequantized operands, P unrounded (the
+    kernels round P for the P V MMA: section 4's comment):
       "bf16":  the inputs as they are.
       "mxfp8": Q per token, K and V per `block_tokens` block of one document (E4M3 + E8M0); with
                the safeguard, a (query i, key j) pair whose key block also holds the position of i
@@ -1974,8 +1978,8 @@ class _FlamiaAttention(torch.autograd.Function):
 
 def kernels_available(device) -> bool:
     """True where the Triton kernels run (a CUDA device, or Triton's interpreter while
-    TRITON_INTERPRET=1); elsewhere the public functions compute the same function through the
-    PyTorch oracle."""
+    TRITON_INTERPRET=1); elsewhere the public functions compute the recipe's function through the
+    PyTorch oracle (with P unrounded: see section 4)."""
     interpreting = INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"
     return torch.device(device).type == "cuda" or interpreting
 
@@ -2054,7 +2058,7 @@ def _attention(q, k, v, cu_q, cu_k, dense, causal, softmax_scale, recipe, block_
                rotate_qk, backend, check_finite):
     """Both public functions, after validation: the kernels, or the oracle where none run."""
     softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    if not kernels_available(q.device):  # CPU without the interpreter: the same function
+    if not kernels_available(q.device):  # CPU without the interpreter: the oracle (P unrounded)
         if check_finite:
             _check_finite(q, k, v)
         o, lse = reference_attention(q, k, v, cu_q, cu_k, causal=causal,

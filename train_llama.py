@@ -516,7 +516,7 @@ def train(cfg: Config) -> dict:
     log = (lambda msg: tqdm.write(msg)) if master else (lambda msg: None)
     log(f"torch {torch.__version__}, triton {triton.__version__}; " + (
         f"GPU: {torch.cuda.get_device_name(device)}" if cuda else "no GPU: running on the CPU (tiny config; "
-        "attention through flamia's PyTorch oracle, the function its kernels compute)") + f"; {world} rank(s)")
+        "attention through flamia's PyTorch oracle: the recipe's quantization, P unrounded)") + f"; {world} rank(s)")
     if not cuda and flamia.kernels_available(device):
         log("note: TRITON_INTERPRET=1, so flamia runs its kernels in Triton's interpreter (slow)")
     if cfg.unsafe_leaky_attention:
