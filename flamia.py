@@ -216,10 +216,40 @@ def _pad16(n):
     return -(-n // PAD_ALIGN) * PAD_ALIGN
 
 
+# The causal safeguard, its rules in one place. Positions are document-local, on the key axis (a
+# query's position is its row plus the causal shift Lk - Lq). A (query, key) pair STRADDLES when the
+# key's scale block also holds the query's position: the block's scale is then a function of keys
+# after the query, so the pair must use the per-token quantized copies of K and V. Keys of earlier
+# blocks never straddle. The kernels call the jitted twins below; the oracle calls `straddles`.
 def _token_copies(recipe: Recipe, causal: bool, safeguard: bool, block_tokens: int) -> bool:
-    """THE rule for when the causal safeguard is on: a quantized causal recipe whose K/V scale
-    blocks hold more than one token. Then K and V also get per-token quantized copies."""
+    """When the causal safeguard is on: a quantized causal recipe whose K/V scale blocks hold more
+    than one token. Then K and V also get per-token quantized copies."""
     return recipe.quantized and causal and safeguard and block_tokens > 1
+
+
+def straddles(pos_q: torch.Tensor, pos_k: torch.Tensor, block_tokens: int) -> torch.Tensor:
+    """Pairs (broadcast) whose key block also holds the query position (visible pairs only matter)."""
+    return pos_k // block_tokens == pos_q // block_tokens
+
+
+@triton.jit
+def _straddles(pos_q, pos_k, BLOCK_TOKENS: tl.constexpr):
+    """straddles(), in a kernel."""
+    return pos_k // BLOCK_TOKENS == pos_q // BLOCK_TOKENS
+
+
+@triton.jit
+def _first_straddling_key(pos_q, BLOCK_TOKENS: tl.constexpr):
+    """The first key that straddles with a query at pos_q >= 0: its block's start. Keys before it are
+    safe with their block scales."""
+    return pos_q // BLOCK_TOKENS * BLOCK_TOKENS
+
+
+@triton.jit
+def _first_safe_query(key_end, BLOCK_TOKENS: tl.constexpr):
+    """The first query position past every block of keys < key_end: from there on, no pair with those
+    keys straddles."""
+    return (key_end + BLOCK_TOKENS - 1) // BLOCK_TOKENS * BLOCK_TOKENS
 
 
 def _check_tensor(x, name: str, dims: int = 3) -> None:
@@ -921,7 +951,7 @@ def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True
     s = torch.einsum("ihd,jhd->hij", q, k) * scale
     same_block = torch.zeros_like(visible)
     if _token_copies(r, causal, safeguard, block_tokens):
-        same_block = visible & (pos_k // block_tokens == pos_q // block_tokens)
+        same_block = visible & straddles(pos_q, pos_k, block_tokens)
         s = torch.where(same_block, torch.einsum("ihd,jhd->hij", q, k_tok) * scale, s)
     s = s.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # (H, Tq)
@@ -1069,7 +1099,7 @@ def _key_range(first, end, k_len, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.conste
     if CAUSAL:
         n_full = tl.maximum(first + 1, 0) // BLOCK_N * BLOCK_N
         if SAFEGUARD:  # the block holding `first` and every later one take the masked path
-            n_full = tl.minimum(n_full, tl.maximum(first, 0) // BLOCK_TOKENS * BLOCK_TOKENS
+            n_full = tl.minimum(n_full, _first_straddling_key(tl.maximum(first, 0), BLOCK_TOKENS)
                                 // BLOCK_N * BLOCK_N)
         n_end = tl.minimum(k_len, end)
     else:
@@ -1118,7 +1148,7 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= pos_q[:, None])
         if PAIR_SAFEGUARD:  # pairs whose key block straddles the query position: per-token K, V
-            same = visible & ((offs_n // BLOCK_TOKENS)[None, :] == (pos_q // BLOCK_TOKENS)[:, None])
+            same = visible & _straddles(pos_q[:, None], offs_n[None, :], BLOCK_TOKENS)
             if K_FORMAT == "e4m3":  # FP4 K is per token already: only V has a per-token copy
                 ks = _load_keys(KS, start_n, k_len, HK * D, D, BLOCK_N)
                 eks = _load_e8m0(EKS, start_n, v_len, 127, BLOCK_N, DOT_SCALED)
@@ -1539,7 +1569,7 @@ def _attn_bwd_dkdv_step(dk, dv, lse2, delta, k, v, ks, vs, kscale, pos_k, start_
         if CAUSAL:
             visible = visible & (pos_k[:, None] <= pos_q[None, :])
         if PAIR_SAFEGUARD:  # the forward's per-token K, V where the key block straddles the query
-            same = visible & ((pos_k // BLOCK_TOKENS)[:, None] == (pos_q // BLOCK_TOKENS)[None, :])
+            same = visible & _straddles(pos_q[None, :], pos_k[:, None], BLOCK_TOKENS)
             if not K_SCALED:  # FP4 K (K_SCALED) is per token: its own copy
                 st = tl.where(same, tl.dot(ks, tl.trans(q)), st)
             dpt = tl.where(same, tl.dot(vs, tl.trans(do)), dpt)
@@ -1589,7 +1619,7 @@ def _attn_bwd_dkdv(
         q_lo = tl.maximum(k_start - kd_start - shift, 0) // BLOCK_M * BLOCK_M  # first row seeing it
         thr = k_end - kd_start - 1  # a row at or past this position sees every key of the tile...
         if SAFEGUARD != "off":  # ...and past the straddling block when the safeguard is on
-            thr = (k_end - kd_start + BLOCK_TOKENS - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+            thr = _first_safe_query(k_end - kd_start, BLOCK_TOKENS)
         q_mid = tl.minimum((tl.maximum(thr - shift, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, q_len)
         q_mid = tl.maximum(q_mid, q_lo)
     else:
@@ -1644,7 +1674,7 @@ def _attn_bwd_dq_step(dq, q, do, lse2, delta, pos_q, start_n, K, V, KS, VS, K_SC
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= pos_q[:, None])
         if PAIR_SAFEGUARD:
-            same = visible & ((offs_n // BLOCK_TOKENS)[None, :] == (pos_q // BLOCK_TOKENS)[:, None])
+            same = visible & _straddles(pos_q[:, None], offs_n[None, :], BLOCK_TOKENS)
             if not K_SCALED:  # FP4 K is per token: its own copy
                 ks = _load_keys(KS, start_n, k_len, HK * D, D, BLOCK_N)
                 s = tl.where(same, tl.dot(q, tl.trans(ks)), s)

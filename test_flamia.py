@@ -1147,6 +1147,37 @@ def test_forward_cross_attention_bottom_right(bt, lens_k, no_keys):
     _check_forward(o, lse, ro, rlse, f64, "mxfp8", f"cross attention bt={bt}")
 
 
+@triton.jit
+def _safeguard_rule_kernel(PQ, PK, SAME, FIRST_KEY, FIRST_SAFE, N: tl.constexpr, BLOCK_TOKENS: tl.constexpr):
+    pq, pk = tl.load(PQ + tl.arange(0, N)), tl.load(PK + tl.arange(0, N))
+    same = flamia._straddles(pq[:, None], pk[None, :], BLOCK_TOKENS)
+    tl.store(SAME + tl.arange(0, N)[:, None] * N + tl.arange(0, N)[None, :], same.to(tl.int8))
+    tl.store(FIRST_KEY + tl.arange(0, N), flamia._first_straddling_key(pq, BLOCK_TOKENS))
+    tl.store(FIRST_SAFE + tl.arange(0, N), flamia._first_safe_query(pk, BLOCK_TOKENS))
+
+
+@pytest.mark.parametrize("bt", flamia.BLOCK_TOKENS)
+def test_safeguard_rule_one_definition(bt):
+    """The kernels' safeguard rule (_straddles and the tile bounds derived from it) is bit for bit the
+    oracle's (straddles) on every position pair of 0..N: the pairs that straddle, the first key that
+    straddles with each query (all earlier keys never do), and the first query past every block of the
+    keys before key_end (no later query straddles with any of them)."""
+    N = 256
+    pos = torch.arange(N, dtype=torch.int32, device=DEVICE)
+    same = torch.empty(N, N, dtype=torch.int8, device=DEVICE)
+    first_key, first_safe = torch.empty_like(pos), torch.empty_like(pos)
+    _safeguard_rule_kernel[(1,)](pos, pos, same, first_key, first_safe, N=N, BLOCK_TOKENS=bt)
+    rule = flamia.straddles(pos[:, None], pos[None, :], bt)  # (query, key)
+    assert_bitwise(same.bool(), rule, f"bt={bt}: straddling pairs, kernel vs oracle")
+    causal = pos[None, :] <= pos[:, None]
+    want_first_key = torch.where(rule & causal, pos[None, :], N).amin(1).int()
+    assert_bitwise(first_key, want_first_key, f"bt={bt}: first straddling key")
+    # first_safe[e] = the smallest q such that no key < e straddles with any query >= q
+    want_first_safe = torch.stack([(rule[:, :e].any(1) * (pos + 1)).amax() if e else torch.tensor(0, device=DEVICE)
+                                   for e in range(N)]).int()
+    assert_bitwise(first_safe, want_first_safe, f"bt={bt}: first safe query")
+
+
 def test_forward_safeguard_numerics():
     """A layout where the safeguard matters numerically: in each document's first 32-token block the
     first 16 keys are 2^-16 smaller than the next 16 (and the first 16 queries 2^16 larger, so their
@@ -1450,8 +1481,9 @@ def test_configuration_grid(backend, recipe, bt, D, causal, safeguard):
     """One supported configuration: O and LSE vs the oracle (_check_forward), dq, dk, dv vs autograd
     through it (_check_grads), both computed on poisoned memory. safeguard=False is checked against the
     oracle's leaky function (that it leaks: section 11)."""
-    q, k, v = qkv(60 + bt + D + causal, sum(LENS_FWD), D=D, requires_grad=True)
-    do = randn(torch.Generator().manual_seed(61), sum(LENS_FWD), 4, D)
+    H, HK = (4, 2) if D == 64 else (2, 1)  # GQA both ways; fewer heads at D=128 keep CI's interpreter time
+    q, k, v = qkv(60 + bt + D + causal, sum(LENS_FWD), H=H, HK=HK, D=D, requires_grad=True)
+    do = randn(torch.Generator().manual_seed(61), sum(LENS_FWD), H, D)
     kw = dict(causal=causal, recipe=recipe, block_tokens=bt, safeguard=safeguard)
     with _poisoned_memory():
         o, lse = api(q, k, v, LENS_FWD, backend=backend, return_lse=True, **kw)
