@@ -15,9 +15,12 @@ FLOP convention (Triton tutorial / DESIGN.md): fwd = 4 * H * D * sum_docs L(L+1)
 documents, bwd = 2.5 x fwd, fwd+bwd = 3.5 x fwd. Times are medians of triton.testing.do_bench on
 random (never zero) inputs, after warm-up, and then the median over --rounds interleaved passes over
 all implementations of a workload; FLAMIA's times include quantization; bwd = (fwd+bwd) - fwd.
-Peers, each only if it runs here: cuDNN through nvidia-cudnn-frontend (BF16, ragged/THD for packed
-documents; FP8 per-tensor-scaled for one document: leaky, shown for reference), PyTorch SDPA (cuDNN
-backend; packed equal-length documents as a batch), torch varlen_attn, FlexAttention (document mask).
+Peers, each only if it runs here (else the reason it was skipped is printed): FlashAttention-4's SM90
+path (optional `flash-attn-4`, varlen), cuDNN through nvidia-cudnn-frontend (optional; BF16, ragged/THD
+for packed documents, GQA included; FP8 per-tensor-scaled for one document: leaky, shown for reference),
+PyTorch SDPA (cuDNN backend; packed equal-length documents as a batch), torch varlen_attn,
+FlexAttention (document mask). Every ratio ("x0.80 fa4-sm90") is against the fastest BF16 peer that ran
+on that workload, chosen per pass (fwd, bwd, fwd+bwd); leaky FP8 peers are shown, never the reference.
 """
 import argparse
 import json
@@ -63,6 +66,7 @@ def lognormal_docs(total, median=1024, lo=64, hi=16384, seed=0):
 
 
 def workloads(quick):
+    """[(name, document lengths, H, HK, D)]."""
     w = [("1doc-16k", [16384], 16, 16, 128), ("2kdocs-16k", [2048] * 8, 16, 16, 128),
          ("lognormal-16k", lognormal_docs(16384), 16, 16, 128)]
     if not quick:
@@ -70,8 +74,18 @@ def workloads(quick):
               ("lognormal-64k", lognormal_docs(65536), 16, 16, 128),
               ("1doc-16k-D64", [16384], 32, 32, 64), ("2kdocs-16k-D64", [2048] * 8, 32, 32, 64),
               ("lognormal-16k-D64", lognormal_docs(16384), 32, 32, 64),
-              ("gqa32/8-2kdocs-16k", [2048] * 8, 32, 8, 128)]
+              ("gqa32/8-2kdocs-16k", [2048] * 8, 32, 8, 128),
+              # train_llama.py's attention: 8 query / 4 KV heads of 64, a 32k-token batch of whole
+              # documents cut at an 8k context (--max_doc_len 8192); lengths lognormal, fixed seed
+              ("train_llama-gqa8/4-D64-32k", lognormal_docs(32768, hi=8192, seed=1), 8, 4, 64)]
     return w
+
+
+def selected(name, spec):
+    """--workloads: comma-separated name prefixes; one ending in "$" matches the whole name only
+    (e.g. "2kdocs-16k$" without "2kdocs-16k-D64"). Empty: everything."""
+    pats = [p for p in spec.split(",") if p]
+    return not pats or any(name == p[:-1] if p.endswith("$") else name.startswith(p) for p in pats)
 
 
 # ---- implementations: each returns fn(q, k, v) -> out for packed (T, H, D) inputs, or raises ----
@@ -82,6 +96,21 @@ def flamia_impl(recipe, lens, **kw):
     return lambda q, k, v: flamia.flamia_attn_varlen_func(q, k, v, cu, cu, m, m, recipe=recipe, plan=plan, **kw)
 
 
+# FlashAttention-4's SM90 path (pip flash-attn-4, CuTe DSL): BF16, varlen, GQA; the fastest BF16 attention
+# we know on Hopper (DESIGN.md section 4). Optional: bench.py only, never flamia.py or the tests.
+def fa4_impl(lens, **kw):
+    from flash_attn.cute import flash_attn_varlen_func
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    m = max(lens)
+
+    def fn(q, k, v):
+        o = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m, max_seqlen_k=m,
+                                   causal=True)
+        return o[0] if isinstance(o, tuple) else o  # some versions return (out, lse)
+    return fn
+
+
+# PyTorch SDPA with the cuDNN backend: packed equal-length documents as a (B, H, S, D) batch.
 def sdpa_impl(lens, **kw):
     if len(set(lens)) != 1:
         raise RuntimeError("needs equal-length documents")
@@ -97,6 +126,7 @@ def sdpa_impl(lens, **kw):
     return fn
 
 
+# torch.nn.attention.varlen.varlen_attn: PyTorch's own packed-document attention.
 def varlen_impl(lens, **kw):
     from torch.nn.attention.varlen import varlen_attn
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
@@ -104,6 +134,7 @@ def varlen_impl(lens, **kw):
     return lambda q, k, v: varlen_attn(q, k, v, cu, cu, m, m, window_size=(-1, 0))
 
 
+# FlexAttention (compiled) with a block mask of documents and causality.
 def flex_impl(lens, **kw):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     T = sum(lens)
@@ -129,32 +160,37 @@ def build_graph(g):
     return torch.empty(max(g.get_workspace_size(), 1), dtype=torch.uint8, device="cuda")
 
 
+# cuDNN SDPA through nvidia-cudnn-frontend (optional): BF16 on ragged (THD) packed documents, with
+# GQA (K/V with HK < H heads); FP8 per-tensor-scaled on one document (leaky: shown, never a reference).
 def cudnn_impls(lens, H, HK, D):
     """cuDNN SDPA graphs through nvidia-cudnn-frontend (as in ../shared/peers/cudnn_sdpa_bench.py).
-    Returns {name: (fwd_fn, fwdbwd_fn)}; times are measured on the graphs' own buffers."""
+    Q, O, dO, dQ: (T, H, D); K, V, dK, dV: (T, HK, D) (GQA when HK < H); all addressed as ragged
+    (B, heads, S, D) over the packed buffers. Returns {name: (fwd_fn, fwdbwd_fn)}; times are
+    measured on the graphs' own buffers."""
     import cudnn
-    if HK != H:
-        raise RuntimeError("GQA graphs not wired")
     handle = cudnn.create_handle()
     cudnn.set_stream(handle, torch.cuda.current_stream().cuda_stream)
     DT = cudnn.data_type
     B, T, S = len(lens), sum(lens), max(lens)
+    heads = lambda n: HK if n in ("k", "v", "dK", "dV") else H
+    dims = lambda n: (B, heads(n), S, D)  # logical BHSD over the packed (T, heads, D) buffer
+    st = lambda n: (S * heads(n) * D, D, heads(n) * D, 1)
+    cum = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda", dtype=torch.int64)
     out = {}
     for name, fp8 in (("cudnn-bf16", False), ("cudnn-fp8-leaky", True)):
         if fp8 and B > 1:
             continue  # no THD FP8 backward on Hopper
         io = DT.FP8_E4M3 if fp8 else DT.BFLOAT16
-        dims, st = (B, H, S, D), (S * H * D, D, H * D, 1)
-        cum = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda", dtype=torch.int64)
-        mk = lambda: torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
-        buf = {n: mk() for n in ("q", "k", "v", "dO")}
+        mk = lambda n: torch.randn(T, heads(n), D, device="cuda", dtype=torch.bfloat16)
+        buf = {n: mk(n) for n in ("q", "k", "v", "dO")}
         if fp8:
             buf = {n: x.to(torch.float8_e4m3fn) for n, x in buf.items()}
-        buf.update({n: torch.empty_like(buf["q"]) for n in ("o", "dQ", "dK", "dV")})
+        buf.update({n: torch.empty_like(buf[n[1].lower()]) for n in ("dQ", "dK", "dV")})
+        buf["o"] = torch.empty_like(buf["q"])
         buf["stats"] = torch.empty(T, H, 1, device="cuda", dtype=torch.float32)
         buf["seq"] = torch.tensor(lens, dtype=torch.int32, device="cuda").view(-1, 1, 1, 1)
         for n in ("q", "k", "v", "o", "dO"):
-            buf["off_" + n] = (cum * H * D).view(-1, 1, 1, 1)
+            buf["off_" + n] = (cum * heads(n) * D).view(-1, 1, 1, 1)
         buf["off_stats"] = (cum * H).view(-1, 1, 1, 1)
         one = lambda x=1.0: torch.full((1, 1, 1, 1), x, device="cuda", dtype=torch.float32)
 
@@ -164,7 +200,7 @@ def cudnn_impls(lens, H, HK, D):
             t = {}
             small = lambda n, dt: t.setdefault(n, g.tensor(dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=dt, name=n))
             for n in (("q", "k", "v", "o", "dO") if bwd else ("q", "k", "v")):
-                t[n] = g.tensor(dim=dims, stride=st, data_type=io, name=n)
+                t[n] = g.tensor(dim=dims(n), stride=st(n), data_type=io, name=n)
             t["seq"] = g.tensor(dim=(B, 1, 1, 1), stride=(1, 1, 1, 1), data_type=DT.INT32, name="seq")
             rag = lambda n: t[n].set_ragged_offset(t.setdefault("off_" + n, g.tensor(
                 dim=(B + 1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=DT.INT64, name="off_" + n)))
@@ -182,7 +218,7 @@ def cudnn_impls(lens, H, HK, D):
             if not bwd:
                 kw["generate_stats"] = True
                 res = (g.sdpa_fp8 if fp8 else g.sdpa)(q=t["q"], k=t["k"], v=t["v"], name="f", **kw, **scal)
-                t["o"] = res[0].set_output(True).set_dim(dims).set_stride(st).set_data_type(io)
+                t["o"] = res[0].set_output(True).set_dim(dims("o")).set_stride(st("o")).set_data_type(io)
                 t["stats"] = res[1].set_output(True).set_dim(sdims).set_stride(sst).set_data_type(DT.FLOAT)
                 rag("o")
                 rag("stats")
@@ -195,8 +231,8 @@ def cudnn_impls(lens, H, HK, D):
                 res = (g.sdpa_fp8_backward if fp8 else g.sdpa_backward)(
                     q=t["q"], k=t["k"], v=t["v"], o=t["o"], dO=t["dO"], stats=t["stats"], name="b", **kw, **scal)
                 for n, x in zip(("dQ", "dK", "dV"), res[:3]):
-                    t[n] = x.set_output(True).set_dim(dims).set_stride(st).set_data_type(io)
-                    x.set_ragged_offset(t["off_" + n[1].lower()])
+                    t[n] = x.set_output(True).set_dim(dims(n)).set_stride(st(n)).set_data_type(io)
+                    x.set_ragged_offset(t["off_" + n[1].lower()])  # dK shares K's offsets (HK heads)
                 for i, n in enumerate(("amax_dQ", "amax_dK", "amax_dV", "amax_dP")[:len(res) - 3]):
                     t[n] = res[3 + i].set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(DT.FLOAT)
             ws = build_graph(g)
@@ -217,7 +253,7 @@ def cudnn_impls(lens, H, HK, D):
 def bench_attention(args):
     rows = []
     for name, lens, H, HK, D in workloads(args.quick):
-        if args.workloads and not any(name.startswith(w) for w in args.workloads.split(",")):
+        if not selected(name, args.workloads):
             continue
         T = sum(lens)
         flops = fwd_flops(lens, H, D)
@@ -239,12 +275,15 @@ def bench_attention(args):
                  "flamia-mxfp8 B_t=128 gluon (Hopper)": lambda: flamia_impl("mxfp8", lens, block_tokens=128,
                                                                             backend="gluon"),
                  "flamia-bf16 gluon (Hopper)": lambda: flamia_impl("bf16", lens, backend="gluon"),
+                 "fa4-sm90": lambda: fa4_impl(lens),
                  "sdpa-cudnn": lambda: sdpa_impl(lens), "varlen_attn": lambda: varlen_impl(lens),
                  "flex": lambda: flex_impl(lens)}
         if args.naive_plan:
             impls["flamia-mxfp8-naive-order"] = lambda: naive_order_impl(lens)
         fns = {}
         for iname, make in impls.items():
+            if any(x and x in iname for x in args.skip_impls.split(",")):
+                continue
             try:
                 fn = make()
                 qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
@@ -259,13 +298,18 @@ def bench_attention(args):
             fns.update(cudnn_impls(lens, H, HK, D))
         except Exception as e:
             print(f"  {name} cudnn: skipped ({type(e).__name__}: {str(e)[:120]})")
+        done = []
         for iname, (tf, tfb) in bench_rounds(fns, args.rounds).items():
-            rows.append(dict(workload=name, impl=iname, T=T, H=H, HK=HK, D=D, n_docs=len(lens), fwd_ms=tf,
+            done.append(dict(workload=name, impl=iname, T=T, H=H, HK=HK, D=D, n_docs=len(lens), fwd_ms=tf,
                              bwd_ms=tfb - tf, fwdbwd_ms=tfb, fwd_tflops=flops / tf / 1e9,
                              bwd_tflops=2.5 * flops / (tfb - tf) / 1e9, fwdbwd_tflops=3.5 * flops / tfb / 1e9))
-        print_rows([r for r in rows if r["workload"] == name])
+        add_peer_ratios(done)
+        print_rows(done)
+        rows += done
+        save_json(args, rows)  # after every workload: a run cut short keeps what it measured
         del q, k, v, do
         torch.cuda.empty_cache()
+    print_summary(rows)
     return rows
 
 
@@ -280,14 +324,71 @@ def naive_order_impl(lens):
     return lambda q, k, v: flamia.flamia_attn_varlen_func(q, k, v, cu, cu, m, m, plan=plan)
 
 
-def print_rows(rows):
-    peers = [r for r in rows if not r["impl"].startswith("flamia") and "leaky" not in r["impl"]]
-    best = {p: max((r[p + "_tflops"] for r in peers), default=float("nan")) for p in ("fwd", "bwd", "fwdbwd")}
+# ---- the reference of every ratio: the fastest BF16 peer of the workload, per pass ----
+PASSES = (("fwd", "fwd"), ("bwd", "bwd"), ("fwdbwd", "fwd+bwd"))  # (row key, label)
+
+
+def is_bf16_peer(impl):
+    """May this row be the reference? Every peer (FA4, cuDNN, SDPA, varlen, flex, ...), but neither
+    FLAMIA's own rows nor a leaky FP8 peer (per-tensor scales: faster because it leaks; shown only)."""
+    return not impl.startswith("flamia") and "leaky" not in impl
+
+
+def fastest_bf16_peers(rows):
+    """{pass: (impl, TFLOP/s)} over one workload's rows: the fastest BF16 peer, chosen separately for
+    each pass (fwd, bwd, fwd+bwd may each have another winner); a pass is absent if no peer ran."""
+    ref = {}
+    for p, _ in PASSES:
+        ran = [(r[p + "_tflops"], r["impl"]) for r in rows
+               if is_bf16_peer(r["impl"]) and math.isfinite(r[p + "_tflops"])]
+        if ran:
+            tf, impl = max(ran)
+            ref[p] = (impl, tf)
+    return ref
+
+
+def add_peer_ratios(rows):
+    """Adds to every row of one workload, per pass: ref_<pass> (the fastest BF16 peer's name, None if
+    none ran), ref_<pass>_tflops and vs_ref_<pass> (this row's TFLOP/s over that peer's)."""
+    ref = fastest_bf16_peers(rows)
     for r in rows:
-        sp = r["fwdbwd_tflops"] / best["fwdbwd"]
-        print(f"{r['workload']:20s} {r['impl']:26s} fwd {r['fwd_tflops']:7.1f}  bwd {r['bwd_tflops']:7.1f}  "
-              f"fwd+bwd {r['fwdbwd_tflops']:7.1f} TFLOP/s  ({r['fwdbwd_ms']:.3f} ms)  x{sp:.2f} vs best BF16 peer"
-              f"  [fwd x{r['fwd_tflops'] / best['fwd']:.2f}]")
+        for p, _ in PASSES:
+            impl, tf = ref.get(p, (None, None))
+            r["ref_" + p], r["ref_" + p + "_tflops"] = impl, tf
+            r["vs_ref_" + p] = r[p + "_tflops"] / tf if impl else None
+    return ref
+
+
+def _x(v):
+    return f"x{v:.2f}" if v is not None else "  -  "
+
+
+def print_rows(rows):
+    """One workload (rows from add_peer_ratios): TFLOP/s per pass, each with its ratio to that pass's
+    fastest BF16 peer, named in the header line."""
+    ref = fastest_bf16_peers(rows)
+    name = lambda p: f"{ref[p][0]} ({ref[p][1]:.1f})" if p in ref else "none ran"
+    print(f"{rows[0]['workload']}: fastest BF16 peer: " + " | ".join(f"{lab} {name(p)}" for p, lab in PASSES))
+    for r in rows:
+        print(f"  {r['impl']:38s} " + "  ".join(f"{lab} {r[p + '_tflops']:6.1f} {_x(r['vs_ref_' + p])}"
+                                               for p, lab in PASSES) + f"  ({r['fwdbwd_ms']:.3f} ms)")
+
+
+def print_summary(rows):
+    """Compact, one line per workload: the fastest BF16 peer per pass, FLAMIA's default (mxfp8) and
+    its fastest row, as ratios fwd / bwd / fwd+bwd to those peers."""
+    print(f"\n{'workload':28s} {'fastest BF16 peer, TFLOP/s: fwd | bwd | fwd+bwd':62s} {'flamia-mxfp8':16s} "
+          f"fastest FLAMIA row (fwd+bwd)")
+    for w in dict.fromkeys(r["workload"] for r in rows):
+        rs = [r for r in rows if r["workload"] == w]
+        ref = fastest_bf16_peers(rs)
+        peers = " | ".join(f"{ref[p][0]} {ref[p][1]:.0f}" if p in ref else "-" for p, _ in PASSES)
+        mx = next((r for r in rs if r["impl"] == "flamia-mxfp8"), None)
+        mx = "/".join(f"{r_:.2f}" if r_ is not None else "-" for r_ in
+                      (mx["vs_ref_" + p] for p, _ in PASSES)) if mx else "-"
+        best = max((r for r in rs if r["impl"].startswith("flamia")), key=lambda r: r["fwdbwd_tflops"], default=None)
+        best = f"{best['impl']} {_x(best['vs_ref_fwdbwd'])}" if best else "-"
+        print(f"{w:28s} {peers:62s} {mx:16s} {best}")
 
 
 def bench_quant(args):
@@ -629,7 +730,7 @@ def bench_sm100(args):
     """Compile every attention kernel configuration for sm_100a and tabulate what it executes."""
     rows = []
     for name, kind, recipe, backend, D, bt in sm100_configs():
-        if args.workloads and not any(name.startswith(w) for w in args.workloads.split(",")):
+        if not selected(name, args.workloads):
             continue
         for fn, a, kw in sm100_launches(kind, recipe, backend, D, bt):
             row = dict(config=name, kernel=fn.__name__, launch={k: v for k, v in kw.items()
@@ -670,6 +771,23 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
+def peer_versions():
+    """Versions of the optional peers' packages installed here (absent ones are left out)."""
+    from importlib import metadata
+    out = {}
+    for pkg in ("flash-attn-4", "nvidia-cutlass-dsl", "nvidia-cudnn-frontend"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def save_json(args, rows):
+    with open(args.json_path, "w") as f:
+        json.dump(dict(meta=args.meta, rows=rows), f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--quick", action="store_true", help="one-minute subset of the workloads")
@@ -682,7 +800,10 @@ def main():
     ap.add_argument("--sm100", action="store_true", help="no GPU needed: compile every kernel for Blackwell "
                     "(sm_100a) and print its MMA kinds, spills, TMA, partitions (--workloads filters configs)")
     ap.add_argument("--workloads", default="", help="comma-separated name prefixes of the attention workloads "
-                    "to run, e.g. 1doc,gqa (default: all; names as printed in the table)")
+                    "to run, e.g. 1doc,gqa; a trailing $ matches the whole name, e.g. 2kdocs-16k$ (default: all; "
+                    "names as printed in the table)")
+    ap.add_argument("--skip-impls", default="", help="comma-separated substrings: implementations whose name "
+                    "contains one are not run (attention table), e.g. 'FP4 emulated,naive'")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per implementation "
                     "(the median is reported; with an even count, the slower middle value)")
     ap.add_argument("--out", default="out", help="directory for JSON and PNG")
@@ -693,12 +814,13 @@ def main():
         raise SystemExit("bench.py needs a CUDA GPU (only --sm100 runs without one)")
     os.makedirs(args.out, exist_ok=True)
     meta = dict(gpu=torch.cuda.get_device_name() if mode != "sm100" else "none (compiled for sm_100a)",
-                torch=torch.__version__, triton=triton.__version__, date=time.strftime("%Y-%m-%d"))
+                torch=torch.__version__, triton=triton.__version__, date=time.strftime("%Y-%m-%d"),
+                **peer_versions())
     print(json.dumps(meta))
+    args.meta, args.json_path = meta, os.path.join(args.out, f"bench_{mode}.json")
     rows = {"quant": bench_quant, "accuracy": bench_accuracy, "tune": bench_tune, "audit": bench_audit,
             "block_tokens": bench_block_tokens, "sm100": bench_sm100, "attention": bench_attention}[mode](args)
-    with open(os.path.join(args.out, f"bench_{mode}.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    save_json(args, rows)
     if mode == "attention":
         plot(rows, os.path.join(args.out, "bench_attention.png"))
 
