@@ -11,7 +11,7 @@ on this machine, the quantizer's bandwidth, and accuracy per recipe.
     python bench.py --block-tokens  # mxfp8 fwd / bwd speed per block_tokens on the --quick workloads
     python bench.py --sm100      # no GPU needed: what each kernel compiles to for Blackwell (sm_100a)
 
-FLOP convention (Triton tutorial / DESIGN.md): fwd = 4 * H * D * sum_docs L(L+1)/2 for causal
+FLOP convention (Triton's fused-attention tutorial): fwd = 4 * H * D * sum_docs L(L+1)/2 for causal
 documents, bwd = 2.5 x fwd, fwd+bwd = 3.5 x fwd. Times are medians of triton.testing.do_bench on
 random (never zero) inputs, after warm-up, and then the median over --rounds interleaved passes over
 all implementations of a workload; FLAMIA's times include quantization; bwd = (fwd+bwd) - fwd.
@@ -97,7 +97,7 @@ def flamia_impl(recipe, lens, **kw):
 
 
 # FlashAttention-4's SM90 path (pip flash-attn-4, CuTe DSL): BF16, varlen, GQA; the fastest BF16 attention
-# we know on Hopper (DESIGN.md section 4). Optional: bench.py only, never flamia.py or the tests.
+# we know on Hopper (measured on the H200: README "Speed"). Optional: bench.py only, never flamia.py or the tests.
 def fa4_impl(lens, **kw):
     from flash_attn.cute import flash_attn_varlen_func
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
@@ -263,7 +263,7 @@ def bench_attention(args):
         do = torch.randn_like(q)
         impls = {"flamia-mxfp8": lambda: flamia_impl("mxfp8", lens),
                  # 128-token scale blocks: the forward's unmasked tiles take scalar scales (faster forward on
-                 # long documents; slower backward, see README "Choosing block_tokens")
+                 # long documents; on packed short documents it writes per-token copies too)
                  "flamia-mxfp8 B_t=128": lambda: flamia_impl("mxfp8", lens, block_tokens=128),
                  # the portable tl forward (on Hopper the default above is the Gluon forward)
                  "flamia-mxfp8 B_t=128 tl": lambda: flamia_impl("mxfp8", lens, block_tokens=128,
@@ -758,15 +758,16 @@ def plot(rows, path):
     import matplotlib.pyplot as plt
     names = list(dict.fromkeys(r["workload"] for r in rows))
     impls = list(dict.fromkeys(r["impl"] for r in rows))
-    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(names)), 4.5))
+    fig, ax = plt.subplots(figsize=(max(9, 1.6 * len(names)), 4.5))
     w = 0.8 / len(impls)
+    colors = plt.get_cmap("tab20").colors  # one color per implementation (tab10 repeats after ten)
     for i, im in enumerate(impls):
         ys = [next((r["fwdbwd_tflops"] for r in rows if r["workload"] == n and r["impl"] == im), 0) for n in names]
-        ax.bar([j + i * w for j in range(len(names))], ys, w, label=im)
+        ax.bar([j + i * w for j in range(len(names))], ys, w, label=im, color=colors[i % len(colors)])
     ax.set_xticks([j + 0.4 - w / 2 for j in range(len(names))], names, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("fwd+bwd TFLOP/s")
     ax.set_title(f"Attention fwd+bwd on {torch.cuda.get_device_name()} (FLAMIA includes quantization)")
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, not over them
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

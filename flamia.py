@@ -37,7 +37,7 @@ Limitations
     exactly with bf16 MMAs (tl.dot_scaled takes no E4M3 block scales); mxfp4 reaches Blackwell's
     E4M3 x E2M1 tensor cores through backend="dot_scaled".
   * The backward of every quantized recipe runs bf16 MMAs on the forward's operands, dequantized
-    exactly, and on dO as given (on Hopper the fp8 variant was slower: README).
+    exactly, and on dO as given (on Hopper an fp8 variant measured slower: section 5b).
 
 What ran where: every kernel runs in CI under Triton's CPU interpreter and on an H200 (sm_90). The
 Blackwell path (backend="dot_scaled", E8M0 scales inside the MMA) has run under the interpreter
@@ -181,7 +181,7 @@ def dequantize_fp4(packed: torch.Tensor, block_scale: torch.Tensor, s2=None) -> 
 # head-major (H, T_padded) in the padded token layout (see padded_columns): a document starts at a
 # 16-aligned column, so a kernel reads a tile's scales in aligned wide loads, not byte by byte.
 BLOCK_TOKENS = (1, 32, 64, 128)
-DEFAULT_BLOCK_TOKENS = 1  # per token: the fastest on packed short documents (README)
+DEFAULT_BLOCK_TOKENS = 1  # per token: no per-token copies to write, the cheaper on packed short documents
 HEAD_DIMS = (64, 128)
 QUANT_TILE = 128  # tokens per quantizer program; a multiple of every B_t
 PAD_ALIGN = 16  # token-transposed layouts start every document at a multiple of 16 tokens
@@ -190,8 +190,9 @@ PAD_ALIGN = 16  # token-transposed layouts start every document at a multiple of
 @dataclass(frozen=True)
 class Recipe:
     """What a recipe puts in which format. k_format: "bf16" (not quantized), "e4m3" (MXFP8), or
-    "nvfp4" / "mxfp4" (FP4 K). Q and V are MXFP8 in every quantized recipe (K's FP4 split trained
-    best: README); Q is always per token (a scale shared along Q's rows would leak along them)."""
+    "nvfp4" / "mxfp4" (FP4 K). Q and V are MXFP8 in every quantized recipe (every query tile re-reads
+    all of K: K is where FP4's bytes pay); Q is always per token (a scale shared along Q's rows would
+    leak along them)."""
     name: str
     k_format: str
     dot_scaled: bool  # E8M0-only scales: what tl.dot_scaled takes (Blackwell's MX tensor cores)
@@ -428,7 +429,7 @@ def padded_tokens(total: int, n_docs: int) -> int:
     """Token length of a token-transposed layout (H, D, T_padded): a bound on the 16-aligned
     documents that depends on shapes only (the custom op's fake implementation cannot read
     cu_seqlens), rounded up to 128 tokens so that every channel row starts on a 128-byte cache line
-    (unaligned rows measured 5-10% slower in the forward: README)."""
+    (unaligned rows measured 5-10% slower in the forward on the H200)."""
     return max(-(-(total + (PAD_ALIGN - 1) * n_docs) // 128) * 128, 128)
 
 
@@ -647,7 +648,7 @@ def _quantize_tile(X, TILES, Y, E, YT, Y_TOK, E_TOK, YT_TOK, stride_xt, stride_x
     # The tile is read as four token phases, x_j = rows 4i + j, all in one register layout, so the
     # token-transposed copy packs four tokens of a channel into an int32 elementwise and stores
     # 32-bit words, consecutive across a warp. (Storing the fp8 tile transposed instead makes Triton
-    # shuffle bytes between threads: several times slower, README.)
+    # shuffle bytes between threads: several times slower on the H200.)
     Q: tl.constexpr = BLOCK_T // 4
     x0, a0, offs_t, end, h = _load_quant_tile(X, TILES, stride_xt, stride_xh, D, Q, 0, 4)
     x1, a1, _, _, _ = _load_quant_tile(X, TILES, stride_xt, stride_xh, D, Q, 1, 4)
@@ -1462,10 +1463,10 @@ def _attn_forward_gluon(q, k, v, ops, plan, o, lse, *, causal, softmax_scale, re
 # The backward differentiates the function the forward computed: S is recomputed from exactly the
 # forward's quantized operands (the same safeguard selection on the diagonal) and P from the saved
 # LSE. On Hopper these kernels are issue-bound, not MMA-bound: fp8 MMAs there saved less than the
-# scale multiplies and fp8 -> bf16 conversions cost (README). So every recipe's backward runs bf16
-# MMAs: the quantized recipes on the forward's operands DEQUANTIZED exactly (E4M3 x 2^e, and FP4's
-# code x block scale, fit bf16 exactly; FP4's FP32 second level stays an fp32 factor per key,
-# K_SCALED), and dO as given. The gradients are those of the oracle's function up to bf16
+# scale multiplies and fp8 -> bf16 conversions cost (measured on the H200). So every recipe's
+# backward runs bf16 MMAs: the quantized recipes on the forward's operands DEQUANTIZED exactly
+# (E4M3 x 2^e, and FP4's code x block scale, fit bf16 exactly; FP4's FP32 second level stays an fp32
+# factor per key, K_SCALED), and dO as given. The gradients are those of the oracle's function up to bf16
 # rounding of P and dS. Two kernels, no atomics (deterministic): dK/dV per key tile iterating over
 # query tiles, and dQ per query tile iterating over key tiles (the forward's schedule):
 #
@@ -1978,8 +1979,8 @@ def _(do, q, k, v, o, lse, ops, cu_seqlens_q, cu_seqlens_k, dense, causal, softm
 
 def _op(custom_op, impl):
     """torch.compile traces the custom op; eager calls its implementation directly: the
-    dispatcher's round trip (schema check, redispatch, alias check) cost 35-50 us of host time
-    per call (measured with the kernel launches stubbed out)."""
+    dispatcher's round trip (schema check, redispatch, alias check) costs tens of microseconds of
+    host time per call (measured with the kernel launches stubbed out)."""
     return custom_op if torch.compiler.is_compiling() else impl
 
 

@@ -1621,6 +1621,19 @@ def test_gqa_equals_repeated_kv_heads():
     print(f"[measured] GQA vs repeated: dk rel {e_k:.2e}, dv rel {e_v:.2e}")
 
 
+def test_readme_api_snippet_runs():
+    """The README's API example runs as written (here: on this test's device and path) and gives what it
+    says: out (total, H, D), gradients for q, k, v, all finite."""
+    readme = open(os.path.join(HERE, "README.md")).read()
+    snippet = re.search(r"## API\n\n```python\n(.*?)```", readme, re.S)
+    assert snippet, "README.md has no python block right under '## API'"
+    ns = {}
+    exec(snippet.group(1), ns)
+    out, q, k, v = ns["out"], ns["q"], ns["k"], ns["v"]
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    assert all(x.grad is not None and x.grad.shape == x.shape and torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
 def test_batched_api_equals_varlen():
     """flamia_attn_func on (B, S, H, D) == flamia_attn_varlen_func on the same tokens packed as B equal
     documents: out, LSE (layout (B, H, S) vs (H, B*S)) and gradients bit-identical (same tiles, same

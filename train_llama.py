@@ -350,7 +350,7 @@ def attend(q, k, v, b: Batch, cfg: Config):
         return torch.cat([F.scaled_dot_product_attention(*(x.transpose(0, 1) for x in d), is_causal=True)
                           .transpose(0, 1) for d in docs])
     # FLAMIA takes bf16/fp16: on the CPU the model computes in fp32, so cast here. K/V scales are per
-    # --block_tokens (1: per token; 128 is faster on long documents, README "Choosing block_tokens"),
+    # --block_tokens (1: per token; 128 is faster on long documents, README "Speed"),
     # except in the leak demo: 32-token blocks without the safeguard.
     leaky = cfg.unsafe_leaky_attention
     return flamia.flamia_attn_varlen_func(
