@@ -2408,7 +2408,7 @@ def test_blackwell_nan_stays_in_its_document(monkeypatch, recipe, tensor):
 # document (and cu_seq_lens_q/k with return_flash_attn_kwargs=True). Documents 1 and 2 start mid
 # K/V block (at 23 and 93) and document 1 spans three 32-token blocks.
 HF_LENS = (23, 70, 38)
-LOUD = 99  # a token the inputs never hold; _hf_llama gives it an outlier key channel
+LOUD = 99  # a token the inputs never hold; _hf_llama(loud=True) gives it an outlier key
 
 
 @pytest.fixture(scope="module")
@@ -2417,17 +2417,23 @@ def hf():
                                "(.ci/run installs it)")
 
 
-def _hf_llama(hf, dtype=BF16, seed=0):
-    """The tiny Llama with seed's weights. Token LOUD's embedding is the direction of one row of layer
-    0's k_proj: after RMSNorm its key has one channel ~3x larger than any key entry of the other
-    tokens, so it sets the K scale of its block (the auditor's outlier, as a real token: trained
-    models have such outlier channels)."""
+def _hf_llama(hf, dtype=BF16, seed=0, loud=False):
+    """The tiny Llama with seed's weights. loud: token LOUD gets an outlier key channel, 25 sqrt(128)
+    = 283 vs ~0.8 for the largest key entry of any other token: its embedding is a direction
+    orthogonal to every other token's (vocab 100 < hidden 128), and layer 0's k_proj row 5 is 25x
+    that direction. Such a key sets its 32-token block's E8M0 scale 2^8 higher, which moves the
+    E4M3 rounding of every small key of the block: what the auditor's outlier does, as a token of
+    the model (RMSNorm makes a larger embedding alone no louder)."""
     cfg = hf.LlamaConfig(vocab_size=100, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     torch.manual_seed(seed)
     model = hf.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        model.model.embed_tokens.weight[LOUD] = model.model.layers[0].self_attn.k_proj.weight[5]
+    if loud:
+        with torch.no_grad():
+            emb = model.model.embed_tokens.weight
+            u = torch.linalg.svd(emb[:LOUD]).Vh[-1]  # orthogonal to the other 99 embeddings
+            emb[LOUD] = u
+            model.model.layers[0].self_attn.k_proj.weight[5] = 25 * u
     return model.to(DEVICE, dtype)
 
 
@@ -2531,3 +2537,120 @@ def test_hf_cu_seq_lens_and_position_ids_agree(hf, monkeypatch):
     rows = torch.arange(40, device=DEVICE)[None]
     assert_bitwise(attn(module, q, k, v, None)[0], attn(module, q, k, v, None, position_ids=rows)[0],
                    "no position_ids vs position_ids without restarts")
+
+
+HF_SAFE = [("bf16", 1), ("mxfp8", 32), ("nvfp4", 32), ("mxfp4", 32)]
+
+
+def _hf_perturbed(hf, recipe, bt, safeguard=True):
+    """Logits of the packed row, and of the row with token 10 of document 1 (absolute 33, mid-way
+    in its document's first 32-token K/V block) replaced by LOUD."""
+    model = _hf_use(hf, _hf_llama(hf, loud=True), recipe, block_tokens=bt, safeguard=safeguard)
+    ids, pos = _hf_row()
+    t = HF_LENS[0] + 10
+    loud = ids.clone()
+    loud[0, t] = LOUD
+    return _hf_logits(model, ids, pos)[0], _hf_logits(model, loud, pos)[0], t
+
+
+@pytest.mark.parametrize("recipe,bt", HF_SAFE, ids=[f"{r}-bt{b}" for r, b in HF_SAFE])
+def test_hf_llama_is_causally_safe(hf, recipe, bt):
+    """audit_causality on the real model: changing one input token of document 1 leaves every logit
+    of documents 0 and 2 and every earlier logit of document 1 BIT-IDENTICAL, through both layers,
+    for every recipe (K/V blocks of 32 tokens: the changed token's block straddles 10 earlier
+    queries). The change reaches the token's own logits: the probe is live."""
+    base, loud, t = _hf_perturbed(hf, recipe, bt)
+    changed = (base != loud).any(dim=-1)
+    doc1 = slice(HF_LENS[0], HF_LENS[0] + HF_LENS[1])
+    assert changed[t], "the perturbed token's own logits did not change"
+    assert not changed[:t].any(), f"rows {changed[:t].nonzero().flatten().tolist()} changed: leak"
+    assert not changed[doc1.stop:].any(), (f"document 2 rows "
+                                           f"{changed[doc1.stop:].nonzero().flatten().tolist()} changed")
+
+
+def test_hf_llama_unsafe_setting_leaks(hf):
+    """The same probe has teeth: with safeguard=False and 32-token K/V blocks, the LOUD token moves
+    its block's K scale and with it the E4M3 rounding of the block's small keys, which the 10
+    earlier queries of its block see: their logits change (measured: 5 of the 10 rows), the future
+    leaks; other documents stay bit-identical (blocks are document-local). A merely 2-4x larger key
+    would not do: a power-of-two scale change moves only the keys that become E4M3 subnormals."""
+    base, loud, t = _hf_perturbed(hf, "mxfp8", 32, safeguard=False)
+    changed = (base != loud).any(dim=-1)
+    start = HF_LENS[0]
+    assert changed[start:t].any(), "safeguard=False did not leak: the probe cannot see a leak"
+    assert not changed[:start].any() and not changed[start + HF_LENS[1]:].any()
+
+
+class _HFModule:
+    """What the adapter reads of a transformers attention module."""
+    def __init__(self, is_causal=True, sliding_window=None):
+        self.is_causal, self.sliding_window = is_causal, sliding_window
+
+
+def _hf_qkv(B=1, S=40, seed=41):
+    """(B, H, S, D) q and (B, Hk, S, D) k, v as the model passes them (transposed views)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [randn(gen, B, S, h, 64).transpose(1, 2) for h in (4, 2, 2)]
+
+
+_HF_REFUSED = {
+    "attention_mask 4-D": (dict(attention_mask=torch.ones(1, 1, 40, 40, dtype=torch.bool)),
+                           "attention_mask"),
+    "attention_mask 2-D with padding": (dict(attention_mask=torch.arange(40)[None] < 30),
+                                        "attention_mask"),
+    "dropout": (dict(dropout=0.1), "dropout"),
+    "sliding_window kwarg": (dict(sliding_window=16), "sliding_window"),
+    "sliding_window attribute": (dict(module=_HFModule(sliding_window=16)), "sliding_window"),
+    "softcap": (dict(softcap=50.0), "softcap"),
+    "KV cache": (dict(key_len=41), "key length 41"),
+}
+
+
+@pytest.mark.parametrize("case", list(_HF_REFUSED))
+def test_hf_adapter_refuses(case):
+    """What FLAMIA does not compute is refused with a ValueError naming the argument, never
+    computed silently wrong."""
+    kw, match = _HF_REFUSED[case]
+    kw = dict(kw)
+    module = kw.pop("module", _HFModule())
+    q, k, v = _hf_qkv()
+    if kw.pop("key_len", None):
+        k, v = (torch.cat([x, x[:, :, :1]], dim=2) for x in (k, v))
+    mask = kw.pop("attention_mask", None)
+    attn = flamia.flamia_hf_attention_fn("mxfp8", block_tokens=32)
+    with pytest.raises(ValueError, match=match):
+        attn(module, q, k, v, None if mask is None else mask.to(DEVICE), **kw)
+    # without the offending argument the same call runs
+    assert attn(_HFModule(), *_hf_qkv(), None)[0].shape == (1, 40, 4, 64)
+    for bad, match in ((dict(recipe="fp8"), "recipe"), (dict(block_tokens=16), "block_tokens")):
+        with pytest.raises(ValueError, match=match):
+            flamia.flamia_hf_attention_fn(**bad)
+
+
+def test_hf_llama_refuses_padding_and_kv_cache(hf):
+    """Through the model: a padding mask reaches the adapter (flash_attention_mask is registered for
+    the name, see flamia_hf_attention_fn) and is refused; a full-sequence forward with use_cache
+    runs (query length == key length) and the next decoding step is refused."""
+    model = _hf_use(hf, _hf_llama(hf), "bf16")
+    ids, _ = _hf_row()
+    mask = torch.ones_like(ids)
+    mask[0, -5:] = 0
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(ids, attention_mask=mask)
+    with torch.no_grad():
+        out = model(ids[:, :20], use_cache=True)
+        with pytest.raises(ValueError, match="key length 21"):
+            model(ids[:, 20:21], past_key_values=out.past_key_values, use_cache=True)
+
+
+def test_hf_non_causal_module_attends_within_documents():
+    """A module with is_causal False gets full attention inside each document of the packed row
+    (position_ids restart), not across them: vs exact fp64 attention per document at the bf16
+    recipe's kernel tolerance (TOL "o"; measured 2.1e-3)."""
+    q, k, v = _hf_qkv(S=sum(HF_LENS))
+    pos = torch.cat([torch.arange(n) for n in HF_LENS])[None].to(DEVICE)
+    out, _ = flamia.flamia_hf_attention_fn("bf16")(_HFModule(is_causal=False), q, k, v, None,
+                                                   position_ids=pos)
+    flat = [x[0].transpose(0, 1) for x in (q, k, v)]  # (T, heads, D)
+    ref = flamia.attention_fp64(*flat, cu_of(HF_LENS), causal=False)
+    assert_rel(out[0], ref, tol("o", "bf16"), "non-causal vs fp64 per document")
