@@ -2654,3 +2654,15 @@ def test_hf_non_causal_module_attends_within_documents():
     flat = [x[0].transpose(0, 1) for x in (q, k, v)]  # (T, heads, D)
     ref = flamia.attention_fp64(*flat, cu_of(HF_LENS), causal=False)
     assert_rel(out[0], ref, tol("o", "bf16"), "non-causal vs fp64 per document")
+
+
+def test_hf_autocast_attends_in_the_autocast_dtype():
+    """Under autocast, RoPE's fp32 tables hand the adapter fp32 q, k, v: it attends in the autocast
+    dtype, bit-identical to casting them first; without autocast fp32 is refused (TypeError)."""
+    q, k, v = (x.float() for x in _hf_qkv())
+    attn = flamia.flamia_hf_attention_fn("mxfp8", block_tokens=32)
+    with torch.autocast(DEVICE, dtype=BF16):
+        got = attn(_HFModule(), q, k, v, None)[0]
+    assert_bitwise(got, attn(_HFModule(), q.to(BF16), k.to(BF16), v.to(BF16), None)[0], "autocast")
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        attn(_HFModule(), q, k, v, None)
