@@ -2122,7 +2122,7 @@ def flamia_attn_func(q, k, v, *, causal=True, softmax_scale=None, recipe="mxfp8"
 # a forward gets the same cu_seq_lens / position_ids tensor object, so the Plan is built on the
 # first layer (one host read) and found by every later one and by the backward. No import of
 # transformers: the function is duck-typed to its calling convention (checked with 5.x).
-_HF_PLANS = {}  # id(a batch's cu_seq_lens_q or position_ids) -> (its _version, Plan)
+_HF_PLANS = {}  # id(a batch's cu_seq_lens_q or position_ids) -> (stamp, Plan)
 
 
 def _forget_plan(key: int) -> None:
@@ -2133,18 +2133,20 @@ def _forget_plan(key: int) -> None:
         _PLANS.pop(id(hit[1].cu_seqlens_q), None)
 
 
-def _hf_plan(batch_tensor: torch.Tensor, make_plan) -> Plan:
+def _hf_plan(batch_tensor: torch.Tensor, query: torch.Tensor, make_plan) -> Plan:
     """The Plan of the batch that `batch_tensor` belongs to: made by make_plan() on a forward's
-    first layer, found by the others (keyed by the tensor object; rebuilt if changed in place)."""
+    first layer, found by the others (keyed by the tensor object; rebuilt if it was changed in
+    place or now serves another batch shape or device)."""
     key = id(batch_tensor)
+    stamp = (batch_tensor._version, query.shape[0], query.shape[2], query.device)
     hit = _HF_PLANS.get(key)
     if hit is None:
         weakref.finalize(batch_tensor, _forget_plan, key)
-    elif hit[0] == batch_tensor._version:
+    elif hit[0] == stamp:
         return hit[1]
-    else:  # changed in place: a new batch in an old tensor
+    else:
         _forget_plan(key)
-    _HF_PLANS[key] = (batch_tensor._version, make_plan())
+    _HF_PLANS[key] = (stamp, make_plan())
     return _HF_PLANS[key][1]
 
 
@@ -2209,13 +2211,13 @@ def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BL
         if cu_q is None and pos is None:
             return flamia_attn_func(q, k, v, **kw), None
         if cu_q is not None:  # copies: the Plan must not keep the batch's own tensors alive
-            cu_k = kwargs.get("cu_seq_lens_k", cu_q)
-            plan = _hf_plan(cu_q, lambda: flamia_plan(cu_q.to(torch.int32, copy=True),
+            cu_k = cu_q if kwargs.get("cu_seq_lens_k") is None else kwargs["cu_seq_lens_k"]
+            plan = _hf_plan(cu_q, query, lambda: flamia_plan(cu_q.to(torch.int32, copy=True),
                                                       cu_k.to(torch.int32, copy=True),
                                                       device=query.device))
         else:
-            plan = _hf_plan(pos, lambda: flamia_plan(_documents_of(pos, B, Sq),
-                                                     device=query.device))
+            plan = _hf_plan(pos, query, lambda: flamia_plan(_documents_of(pos, B, Sq),
+                                                            device=query.device))
         # max_length_q/k are only bounds: the Plan knows the exact longest documents
         o = flamia_attn_varlen_func(q.reshape(B * Sq, H, D), k.reshape(B * Sk, -1, D),
                                     v.reshape(B * Sk, -1, D), plan.cu_seqlens_q, plan.cu_seqlens_k,

@@ -2513,7 +2513,8 @@ def test_hf_cu_seq_lens_and_position_ids_agree(hf, monkeypatch):
     """The three ways documents reach the adapter give bit-identical results: cu_seq_lens_q/k (the
     collator's return_flash_attn_kwargs=True) and restarting position_ids give the same logits; and
     without position_ids (each row one document) equals position_ids that never restart. One Plan
-    per batch: 2 layers, 1 flamia_plan call; its cache entry goes with the batch's tensor."""
+    per batch: 2 layers, 1 flamia_plan call; its cache entry goes with the batch's tensor, and the
+    same position_ids tensor serving another batch size gets a new Plan (not a stale one)."""
     built = []
     plan = flamia.flamia_plan
     monkeypatch.setattr(flamia, "flamia_plan", lambda *a, **k: built.append(1) or plan(*a, **k))
@@ -2534,9 +2535,11 @@ def test_hf_cu_seq_lens_and_position_ids_agree(hf, monkeypatch):
     q, k, v = (randn(torch.Generator().manual_seed(40 + i), 2, 40, h, 64).transpose(1, 2)
                for i, h in enumerate((4, 2, 2)))  # (B, H, S, D) views, as the model passes them
     module = type("Attention", (), {"is_causal": True})()
-    rows = torch.arange(40, device=DEVICE)[None]
-    assert_bitwise(attn(module, q, k, v, None)[0], attn(module, q, k, v, None, position_ids=rows)[0],
-                   "no position_ids vs position_ids without restarts")
+    rows = torch.arange(40, device=DEVICE)[None]  # (1, S): transformers does not expand it
+    both = attn(module, q, k, v, None, position_ids=rows)[0]
+    assert_bitwise(attn(module, q, k, v, None)[0], both, "no position_ids vs position_ids without restarts")
+    first = attn(module, q[:1], k[:1], v[:1], None, position_ids=rows)[0]  # same tensor, new batch size
+    assert_bitwise(first, both[:1], "a cached Plan reused for another batch size")
 
 
 HF_SAFE = [("bf16", 1), ("mxfp8", 32), ("nvfp4", 32), ("mxfp4", 32)]
