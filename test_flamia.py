@@ -2496,7 +2496,8 @@ def test_hf_packed_row_equals_documents_one_by_one(hf, recipe, bt):
     document's start (the attention is bitwise packing-invariant: test_packed_equals_separate_
     documents), and on the CPU the model's other layers compute each token's row independently of
     the row count. On a GPU, cuBLAS may pick another GEMM for another row count, so there the
-    bound is the bf16 rounding such a change causes (rel L2 4e-3, not measured)."""
+    bound is the bf16 rounding such a change causes (rel L2 4e-3, not measured). A naive adapter
+    that ignores the restarting position_ids changes every logit of documents 1 and 2."""
     model = _hf_use(hf, _hf_llama(hf), recipe, block_tokens=bt)
     ids, pos = _hf_row()
     packed = _hf_logits(model, ids, pos)
@@ -2507,11 +2508,20 @@ def test_hf_packed_row_equals_documents_one_by_one(hf, recipe, bt):
             assert_bitwise(packed[:, a:b], alone, f"{recipe} doc {d}: packed vs alone")
         else:
             assert_rel(packed[:, a:b], alone, 4e-3, f"{recipe} doc {d}: packed vs alone")
+    # teeth: a naive adapter, blind to the documents (each row one document), fails this comparison
+    naive = flamia.flamia_hf_attention_fn(recipe, block_tokens=bt)
+    hf.AttentionInterface.register("flamia-naive", lambda module, q, k, v, mask, scaling=None, **kw:
+                                   naive(module, q, k, v, mask, scaling))
+    model.set_attn_implementation("flamia-naive")
+    blind = _hf_logits(model, ids, pos)
+    assert torch.equal(blind[:, :offs[1]], packed[:, :offs[1]]), "document 0 sees nothing before it"
+    assert (blind[:, offs[1]:] != packed[:, offs[1]:]).any(-1).all(), "a row of documents 1, 2 kept its logits"
 
 
 def test_hf_cu_seq_lens_and_position_ids_agree(hf, monkeypatch):
-    """The three ways documents reach the adapter give bit-identical results: cu_seq_lens_q/k (the
-    collator's return_flash_attn_kwargs=True) and restarting position_ids give the same logits; and
+    """The three ways documents reach the adapter give bit-identical results: DataCollatorWithFlattening's
+    two outputs, cu_seq_lens_q/k (return_flash_attn_kwargs=True) and restarting position_ids (its
+    default), give the same logits and loss; and
     without position_ids (each row one document) equals position_ids that never restart. One Plan
     per batch: 2 layers, 1 flamia_plan call; its cache entry goes with the batch's tensor, and the
     same position_ids tensor serving another batch size gets a new Plan (not a stale one)."""
@@ -2519,18 +2529,27 @@ def test_hf_cu_seq_lens_and_position_ids_agree(hf, monkeypatch):
     plan = flamia.flamia_plan
     monkeypatch.setattr(flamia, "flamia_plan", lambda *a, **k: built.append(1) or plan(*a, **k))
     model = _hf_use(hf, _hf_llama(hf), "mxfp8", block_tokens=32)
-    ids, pos = _hf_row()
-    by_pos = _hf_logits(model, ids, pos)
-    assert len(built) == 1, f"{len(built)} Plans built for one batch of 2 layers"
-    cu = torch.tensor(offsets_of(HF_LENS), dtype=torch.int32, device=DEVICE)
-    by_cu = _hf_logits(model, ids, pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(),
-                       max_length_q=max(HF_LENS), max_length_k=max(HF_LENS))
-    assert len(built) == 2
-    assert_bitwise(by_cu, by_pos, "cu_seq_lens vs position_ids")
-    key = id(pos)
-    assert key in flamia._HF_PLANS
-    del pos
-    assert key not in flamia._HF_PLANS, "the Plan cache outlives its batch"
+    ids, _ = _hf_row()
+    offs = offsets_of(HF_LENS)
+    docs = [{"input_ids": ids[0, a:b].tolist()} for a, b in zip(offs, offs[1:])]
+    out = {}
+    for flash_kwargs in (False, True):  # the collator itself, both ways
+        batch = hf.DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(docs)
+        assert ("cu_seq_lens_q" in batch) == flash_kwargs
+        batch = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        with torch.no_grad():
+            res = model(**batch, use_cache=False)
+        out[flash_kwargs] = res.logits, res.loss
+        assert len(built) == 1 + flash_kwargs, f"{len(built)} Plans built for {1 + flash_kwargs} batches"
+        if not flash_kwargs:
+            pos = batch["position_ids"]
+            assert torch.equal(pos.cpu()[0], torch.cat([torch.arange(n) for n in HF_LENS]))
+            key = id(pos)
+            assert key in flamia._HF_PLANS
+            del batch, pos
+            assert key not in flamia._HF_PLANS, "the Plan cache outlives its batch"
+    assert_bitwise(out[True][0], out[False][0], "logits: cu_seq_lens vs position_ids")
+    assert_bitwise(out[True][1], out[False][1], "loss: cu_seq_lens vs position_ids")
     attn = flamia.flamia_hf_attention_fn("mxfp8", block_tokens=32)
     q, k, v = (randn(torch.Generator().manual_seed(40 + i), 2, 40, h, 64).transpose(1, 2)
                for i, h in enumerate((4, 2, 2)))  # (B, H, S, D) views, as the model passes them
