@@ -2519,12 +2519,12 @@ def test_hf_packed_row_equals_documents_one_by_one(hf, recipe, bt):
 
 
 def test_hf_cu_seq_lens_and_position_ids_agree(hf, monkeypatch):
-    """The three ways documents reach the adapter give bit-identical results: DataCollatorWithFlattening's
+    """The three ways documents reach the adapter give bit-identical results. DataCollatorWithFlattening's
     two outputs, cu_seq_lens_q/k (return_flash_attn_kwargs=True) and restarting position_ids (its
-    default), give the same logits and loss; and
-    without position_ids (each row one document) equals position_ids that never restart. One Plan
-    per batch: 2 layers, 1 flamia_plan call; its cache entry goes with the batch's tensor, and the
-    same position_ids tensor serving another batch size gets a new Plan (not a stale one)."""
+    default), give the same logits and loss; without position_ids (each row one document) equals
+    position_ids that never restart. One Plan per batch: 2 layers, 1 flamia_plan call; its cache
+    entry goes with the batch's tensor, and the same position_ids tensor serving another batch size
+    gets a new Plan (not a stale one)."""
     built = []
     plan = flamia.flamia_plan
     monkeypatch.setattr(flamia, "flamia_plan", lambda *a, **k: built.append(1) or plan(*a, **k))
@@ -2545,9 +2545,11 @@ def test_hf_cu_seq_lens_and_position_ids_agree(hf, monkeypatch):
             pos = batch["position_ids"]
             assert torch.equal(pos.cpu()[0], torch.cat([torch.arange(n) for n in HF_LENS]))
             key = id(pos)
-            assert key in flamia._HF_PLANS
+            cu_key = id(flamia._HF_PLANS[key][1].cu_seqlens_q)
+            assert cu_key in flamia._PLANS
             del batch, pos
             assert key not in flamia._HF_PLANS, "the Plan cache outlives its batch"
+            assert cu_key not in flamia._PLANS, "the Plan registry outlives its batch"
     assert_bitwise(out[True][0], out[False][0], "logits: cu_seq_lens vs position_ids")
     assert_bitwise(out[True][1], out[False][1], "loss: cu_seq_lens vs position_ids")
     attn = flamia.flamia_hf_attention_fn("mxfp8", block_tokens=32)
