@@ -13,6 +13,7 @@ here is derived from it, from public analyses of the low-precision leak (MatX, T
   4. reference oracle what every recipe computes (P in fp32), plus exact fp64 attention
   5. kernels          fused Triton forward (5a) and backward (5b), with the causal safeguard
   6. public API       custom ops + autograd: flamia_attn_varlen_func, flamia_attn_func
+  6b. transformers    flamia_hf_attention_fn: a Hugging Face attention backend, packed rows too
   7. auditor          audit_causality: a bitwise leak test for any attention implementation
   8. interpreter      numerics fixes for Triton's CPU interpreter (applied whenever it runs)
 The optional companion flamia_hopper.py holds a Hopper-only warp-specialized Gluon forward
@@ -2176,6 +2177,124 @@ def flamia_attn_func(q, k, v, *, causal=True, softmax_scale=None, recipe="mxfp8"
                         check_finite)
     o, lse = o.view(B, Sq, H, D), lse.view(H, B, Sq).transpose(0, 1)
     return (o, lse) if return_lse else o
+
+
+# ---------------------------------------------------------------------------------------------
+# 6b. Hugging Face transformers: FLAMIA as a model's attention (packed documents included)
+# ---------------------------------------------------------------------------------------------
+# transformers calls a registered attention function with (B, H, S, D) query and (B, Hk, S, D)
+# key/value and hands it everything else as keyword arguments. Packed training
+# (DataCollatorWithFlattening: one row of several documents) reaches it ONLY as keywords:
+# position_ids restarting at every document, plus cu_seq_lens_q/k and max_length_q/k when the
+# collator is built with return_flash_attn_kwargs=True; attention_mask is then None. An adapter
+# that ignores them attends across documents: the leak FLAMIA exists to prevent. So the documents
+# come from cu_seq_lens_q/k, else from position_ids, else each row is one document. Every layer of
+# a forward gets the same cu_seq_lens / position_ids tensor object, so the Plan is built on the
+# first layer (one host read) and found by every later one and by the backward. No import of
+# transformers: the function is duck-typed to its calling convention (checked with 5.x).
+_HF_PLANS = {}  # id(a batch's cu_seq_lens_q or position_ids) -> (stamp, Plan)
+
+
+def _forget_plan(key: int) -> None:
+    # A Plan registered in _PLANS holds its own cu_seqlens, so it would outlive its batch: the
+    # batch tensor's death ends both entries (a backward still running rebuilds its Plan).
+    hit = _HF_PLANS.pop(key, None)
+    if hit is not None:
+        _PLANS.pop(id(hit[1].cu_seqlens_q), None)
+
+
+def _hf_plan(batch_tensor: torch.Tensor, query: torch.Tensor, make_plan) -> Plan:
+    """The Plan of the batch that `batch_tensor` belongs to: made by make_plan() on a forward's
+    first layer, found by the others (keyed by the tensor object; rebuilt if it was changed in
+    place or now serves another batch shape or device)."""
+    key = id(batch_tensor)
+    stamp = (batch_tensor._version, query.shape[0], query.shape[2], query.device)
+    hit = _HF_PLANS.get(key)
+    if hit is None:
+        weakref.finalize(batch_tensor, _forget_plan, key)
+    elif hit[0] == stamp:
+        return hit[1]
+    else:
+        _forget_plan(key)
+    _HF_PLANS[key] = (stamp, make_plan())
+    return _HF_PLANS[key][1]
+
+
+def _documents_of(position_ids: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
+    """int32 cu_seqlens of the rows flattened: a document starts at every row start and wherever
+    the position does not follow its predecessor (transformers' rule for packed rows, which also
+    covers positions that restart at 1 rather than 0). On the host: one read per batch."""
+    pos = position_ids.expand(batch, seqlen).cpu()  # (1, S) position_ids serve every row
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    cu = starts.flatten().nonzero().flatten()
+    return torch.cat([cu, cu.new_tensor([batch * seqlen])]).to(torch.int32)
+
+
+def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                           **options):
+    """A transformers attention function computing FLAMIA with this recipe and block_tokens
+    (options: safeguard, rotate_qk, backend, as for flamia_attn_varlen_func). Register it:
+        AttentionInterface.register("flamia", flamia_hf_attention_fn("mxfp8", block_tokens=32))
+        AttentionMaskInterface.register("flamia", transformers.masking_utils.flash_attention_mask)
+    The second line matters: without a mask function for the name, transformers DROPS a padding
+    mask before any custom attention sees it; with flash_attention_mask it arrives (2-D) and is
+    refused. Documents: cu_seq_lens_q/k if given, else position_ids (a new document wherever they
+    restart), else one per row. Refused with a ValueError (never silently wrong): a padding or 4-D
+    attention_mask, dropout > 0, sliding windows, logit softcapping, query length != key length (a
+    KV cache; FLAMIA is for training and full-sequence forwards). Non-causal modules (is_causal
+    False) get per-document full attention. GQA is native; scaling is the softmax scale."""
+    _check_options(recipe, block_tokens, options.get("backend"), None)
+
+    def flamia_hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                            **kwargs):
+        (B, H, Sq, D), Sk = query.shape, key.shape[2]
+        if attention_mask is not None and (attention_mask.dim() != 2 or not attention_mask.all()):
+            raise ValueError(f"attention_mask: FLAMIA takes no padding or 4-D mask (it applies the "
+                             f"causal, per-document mask itself); got shape "
+                             f"{tuple(attention_mask.shape)}. Pack documents without padding "
+                             f"(DataCollatorWithFlattening) and register transformers' "
+                             f"flash_attention_mask for this attention name")
+        if dropout > 0:
+            raise ValueError(f"dropout: FLAMIA has no attention dropout; expected 0.0, got "
+                             f"{dropout} (set config.attention_dropout = 0.0)")
+        for name, v in (("sliding_window", kwargs.get("sliding_window",
+                                                      getattr(module, "sliding_window", None))),
+                        ("softcap", kwargs.get("softcap"))):
+            if v is not None:
+                raise ValueError(f"{name}: FLAMIA supports neither sliding windows nor logit "
+                                 f"softcapping; expected None, got {v!r}")
+        if Sq != Sk:
+            raise ValueError(f"query length {Sq} != key length {Sk} (a KV cache): FLAMIA's "
+                             f"adapter computes full-sequence forwards only; use use_cache=False, "
+                             f"or another attn_implementation to generate")
+        causal = kwargs.get("is_causal")
+        causal = getattr(module, "is_causal", True) if causal is None else causal
+        if query.dtype == torch.float32 and torch.is_autocast_enabled(query.device.type):
+            # fp32 RoPE tables promote q, k under autocast: attend in the autocast dtype
+            dtype = torch.get_autocast_dtype(query.device.type)
+            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+        q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, S, heads, D)
+        kw = dict(causal=causal, softmax_scale=scaling, recipe=recipe, block_tokens=block_tokens,
+                  **options)
+        cu_q, pos = kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids")
+        if cu_q is None and pos is None:
+            return flamia_attn_func(q, k, v, **kw), None
+        if cu_q is not None:  # copies: the Plan must not keep the batch's own tensors alive
+            cu_k = cu_q if kwargs.get("cu_seq_lens_k") is None else kwargs["cu_seq_lens_k"]
+            plan = _hf_plan(cu_q, query, lambda: flamia_plan(cu_q.to(torch.int32, copy=True),
+                                                      cu_k.to(torch.int32, copy=True),
+                                                      device=query.device))
+        else:
+            plan = _hf_plan(pos, query, lambda: flamia_plan(_documents_of(pos, B, Sq),
+                                                            device=query.device))
+        # max_length_q/k are only bounds: the Plan knows the exact longest documents
+        o = flamia_attn_varlen_func(q.reshape(B * Sq, H, D), k.reshape(B * Sk, -1, D),
+                                    v.reshape(B * Sk, -1, D), plan.cu_seqlens_q, plan.cu_seqlens_k,
+                                    None, None, plan=plan, **kw)
+        return o.view(B, Sq, H, D), None
+
+    return flamia_hf_attention
 
 
 # ---------------------------------------------------------------------------------------------

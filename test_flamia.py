@@ -2602,3 +2602,295 @@ def test_blackwell_nan_stays_in_its_document(monkeypatch, recipe, tensor):
     o = flamia.flamia_attn_varlen_func(**a, backend="dot_scaled", block_tokens=1)
     assert o[40:73, 2:4].isnan().all(), f"{int((~o[40:73, 2:4].isnan()).sum())} outputs that see the NaN are not NaN"
     assert o[:33].isfinite().all(), f"{int((~o[:33].isfinite()).sum())} outputs of document 0 are not finite"
+
+
+# ---------------------------------------------------------------------------------------------
+# 15. Hugging Face transformers: flamia_hf_attention_fn as a tiny Llama's attention
+# ---------------------------------------------------------------------------------------------
+# A 2-layer Llama (hidden 128, 4 heads of 64 on 2 kv heads: GQA) in bf16, fed one packed row of
+# three documents the way DataCollatorWithFlattening does it: position_ids restart at 0 at every
+# document (and cu_seq_lens_q/k with return_flash_attn_kwargs=True). Documents 1 and 2 start mid
+# K/V block (at 23 and 93) and document 1 spans three 32-token blocks.
+HF_LENS = (23, 70, 38)
+LOUD = 99  # a token the inputs never hold; _hf_llama(loud=True) gives it an outlier key
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return pytest.importorskip("transformers", reason="transformers is a test-only dependency "
+                               "(.ci/run installs it)")
+
+
+def _hf_llama(hf, dtype=BF16, seed=0, loud=False):
+    """The tiny Llama with seed's weights. loud: token LOUD gets an outlier key channel, 25 sqrt(128)
+    = 283 vs ~0.8 for the largest key entry of any other token: its embedding is a direction
+    orthogonal to every other token's (vocab 100 < hidden 128), and layer 0's k_proj row 5 is 25x
+    that direction. Such a key sets its 32-token block's E8M0 scale 2^8 higher, which moves the
+    E4M3 rounding of every small key of the block: what the auditor's outlier does, as a token of
+    the model (RMSNorm makes a larger embedding alone no louder)."""
+    cfg = hf.LlamaConfig(vocab_size=100, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    torch.manual_seed(seed)
+    model = hf.LlamaForCausalLM(cfg)
+    if loud:
+        with torch.no_grad():
+            emb = model.model.embed_tokens.weight
+            u = torch.linalg.svd(emb[:LOUD]).Vh[-1]  # orthogonal to the other 99 embeddings
+            emb[LOUD] = u
+            model.model.layers[0].self_attn.k_proj.weight[5] = 25 * u
+    return model.to(DEVICE, dtype)
+
+
+def _hf_use(hf, model, recipe, **kw):
+    """Switch the model's attention to FLAMIA with these options (each set registered under a name of
+    its own, with transformers' flash_attention_mask so a padding mask reaches the adapter), or to
+    SDPA (recipe "sdpa")."""
+    from transformers.masking_utils import flash_attention_mask
+    name = "sdpa" if recipe == "sdpa" else "flamia-" + "-".join(f"{k}={v}" for k, v in
+                                                                 sorted({**kw, "r": recipe}.items()))
+    if recipe != "sdpa":
+        hf.AttentionInterface.register(name, flamia.flamia_hf_attention_fn(recipe, **kw))
+        hf.AttentionMaskInterface.register(name, flash_attention_mask)
+    model.set_attn_implementation(name)
+    return model
+
+
+def _hf_row(lens=HF_LENS, seed=0):
+    """input_ids (1, T) without LOUD, and position_ids restarting at every document."""
+    ids = torch.randint(0, LOUD, (1, sum(lens)), generator=torch.Generator().manual_seed(seed))
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    return ids.to(DEVICE), pos.to(DEVICE)
+
+
+def _hf_logits(model, ids, pos, **kw):
+    with torch.no_grad():
+        return model(ids, position_ids=pos, use_cache=False, **kw).logits
+
+
+def _hf_logits_and_grads(model, ids, pos):
+    model.zero_grad()
+    out = model(ids, position_ids=pos, labels=ids, use_cache=False)
+    out.loss.backward()
+    return out.logits.detach(), torch.cat([p.grad.flatten().float() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("recipe,bt", [("bf16", 1), ("mxfp8", 32)])
+def test_hf_llama_matches_sdpa(hf, recipe, bt):
+    """The packed row through the model, FLAMIA vs SDPA (which transformers gives a block-diagonal
+    causal mask built from the restarting position_ids): logits and every parameter's gradient,
+    each measured against the same model in fp32 (SDPA). bf16: FLAMIA is as accurate as SDPA in
+    bf16 (measured ratio 0.99-1.00 on seeds 0 and 1; bound 1.25: an extra error of 75% of bf16's
+    own would fail). mxfp8: the recipe's E4M3 rounding of Q, K, V and P moves logits and gradients
+    by rel L2 2.4e-2..3.2e-2 (seeds 0, 1): bound 4.5e-2."""
+    ids, pos = _hf_row()
+    ref = _hf_logits_and_grads(_hf_use(hf, _hf_llama(hf, torch.float32), "sdpa"), ids, pos)
+    sdpa = _hf_logits_and_grads(_hf_use(hf, _hf_llama(hf), "sdpa"), ids, pos)
+    got = _hf_logits_and_grads(_hf_use(hf, _hf_llama(hf), recipe, block_tokens=bt), ids, pos)
+    for i, what in enumerate(("logits", "gradients")):
+        err, err_sdpa = rel_l2(got[i], ref[i]), rel_l2(sdpa[i], ref[i])
+        print(f"[measured] {recipe}: {what} vs fp32 rel L2 {err:.2e} (SDPA bf16: {err_sdpa:.2e})")
+        bound = 1.25 * err_sdpa if recipe == "bf16" else 4.5e-2
+        assert err <= bound, f"{recipe} {what}: rel L2 vs fp32 {err:.3e} > {bound:.3e}"
+
+
+@pytest.mark.parametrize("recipe,bt", [("bf16", 1), ("mxfp8", 32)])
+def test_hf_packed_row_equals_documents_one_by_one(hf, recipe, bt):
+    """Every document's logits in the packed row are BIT-IDENTICAL to the model run on that document
+    alone, for both recipes: FLAMIA's scales are document-local and its tiles start at each
+    document's start (the attention is bitwise packing-invariant: test_packed_equals_separate_
+    documents), and on the CPU the model's other layers compute each token's row independently of
+    the row count. On a GPU, cuBLAS may pick another GEMM for another row count, so there the
+    bound is the bf16 rounding such a change causes (rel L2 4e-3, not measured). A naive adapter
+    that ignores the restarting position_ids changes every logit of documents 1 and 2."""
+    model = _hf_use(hf, _hf_llama(hf), recipe, block_tokens=bt)
+    ids, pos = _hf_row()
+    packed = _hf_logits(model, ids, pos)
+    offs = offsets_of(HF_LENS)
+    for d, (a, b) in enumerate(zip(offs, offs[1:])):
+        alone = _hf_logits(model, ids[:, a:b], pos[:, a:b])
+        if DEVICE == "cpu":
+            assert_bitwise(packed[:, a:b], alone, f"{recipe} doc {d}: packed vs alone")
+        else:
+            assert_rel(packed[:, a:b], alone, 4e-3, f"{recipe} doc {d}: packed vs alone")
+    # teeth: a naive adapter, blind to the documents (each row one document), fails this comparison
+    naive = flamia.flamia_hf_attention_fn(recipe, block_tokens=bt)
+    hf.AttentionInterface.register("flamia-naive", lambda module, q, k, v, mask, scaling=None, **kw:
+                                   naive(module, q, k, v, mask, scaling))
+    model.set_attn_implementation("flamia-naive")
+    blind = _hf_logits(model, ids, pos)
+    assert torch.equal(blind[:, :offs[1]], packed[:, :offs[1]]), "document 0 sees nothing before it"
+    assert (blind[:, offs[1]:] != packed[:, offs[1]:]).any(-1).all(), "a row of documents 1, 2 kept its logits"
+
+
+def test_hf_cu_seq_lens_and_position_ids_agree(hf, monkeypatch):
+    """The three ways documents reach the adapter give bit-identical results. DataCollatorWithFlattening's
+    two outputs, cu_seq_lens_q/k (return_flash_attn_kwargs=True) and restarting position_ids (its
+    default), give the same logits and loss; without position_ids (each row one document) equals
+    position_ids that never restart. One Plan per batch: 2 layers, 1 flamia_plan call; its cache
+    entry goes with the batch's tensor, and the same position_ids tensor serving another batch size
+    gets a new Plan (not a stale one)."""
+    built = []
+    plan = flamia.flamia_plan
+    monkeypatch.setattr(flamia, "flamia_plan", lambda *a, **k: built.append(1) or plan(*a, **k))
+    model = _hf_use(hf, _hf_llama(hf), "mxfp8", block_tokens=32)
+    ids, _ = _hf_row()
+    offs = offsets_of(HF_LENS)
+    docs = [{"input_ids": ids[0, a:b].tolist()} for a, b in zip(offs, offs[1:])]
+    out = {}
+    for flash_kwargs in (False, True):  # the collator itself, both ways
+        batch = hf.DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(docs)
+        assert ("cu_seq_lens_q" in batch) == flash_kwargs
+        batch = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        with torch.no_grad():
+            res = model(**batch, use_cache=False)
+        out[flash_kwargs] = res.logits, res.loss
+        assert len(built) == 1 + flash_kwargs, f"{len(built)} Plans built for {1 + flash_kwargs} batches"
+        if not flash_kwargs:
+            pos = batch["position_ids"]
+            assert torch.equal(pos.cpu()[0], torch.cat([torch.arange(n) for n in HF_LENS]))
+            key = id(pos)
+            cu_key = id(flamia._HF_PLANS[key][1].cu_seqlens_q)
+            assert cu_key in flamia._PLANS
+            del batch, pos
+            assert key not in flamia._HF_PLANS, "the Plan cache outlives its batch"
+            assert cu_key not in flamia._PLANS, "the Plan registry outlives its batch"
+    assert_bitwise(out[True][0], out[False][0], "logits: cu_seq_lens vs position_ids")
+    assert_bitwise(out[True][1], out[False][1], "loss: cu_seq_lens vs position_ids")
+    attn = flamia.flamia_hf_attention_fn("mxfp8", block_tokens=32)
+    q, k, v = (randn(torch.Generator().manual_seed(40 + i), 2, 40, h, 64).transpose(1, 2)
+               for i, h in enumerate((4, 2, 2)))  # (B, H, S, D) views, as the model passes them
+    module = type("Attention", (), {"is_causal": True})()
+    rows = torch.arange(40, device=DEVICE)[None]  # (1, S): transformers does not expand it
+    both = attn(module, q, k, v, None, position_ids=rows)[0]
+    assert_bitwise(attn(module, q, k, v, None)[0], both, "no position_ids vs position_ids without restarts")
+    first = attn(module, q[:1], k[:1], v[:1], None, position_ids=rows)[0]  # same tensor, new batch size
+    assert_bitwise(first, both[:1], "a cached Plan reused for another batch size")
+
+
+HF_SAFE = [("bf16", 1), ("mxfp8", 32), ("nvfp4", 32), ("mxfp4", 32)]
+
+
+def _hf_perturbed(hf, recipe, bt, safeguard=True):
+    """Logits of the packed row, and of the row with token 10 of document 1 (absolute 33, mid-way
+    in its document's first 32-token K/V block) replaced by LOUD."""
+    model = _hf_use(hf, _hf_llama(hf, loud=True), recipe, block_tokens=bt, safeguard=safeguard)
+    ids, pos = _hf_row()
+    t = HF_LENS[0] + 10
+    loud = ids.clone()
+    loud[0, t] = LOUD
+    return _hf_logits(model, ids, pos)[0], _hf_logits(model, loud, pos)[0], t
+
+
+@pytest.mark.parametrize("recipe,bt", HF_SAFE, ids=[f"{r}-bt{b}" for r, b in HF_SAFE])
+def test_hf_llama_is_causally_safe(hf, recipe, bt):
+    """audit_causality on the real model: changing one input token of document 1 leaves every logit
+    of documents 0 and 2 and every earlier logit of document 1 BIT-IDENTICAL, through both layers,
+    for every recipe (K/V blocks of 32 tokens: the changed token's block straddles 10 earlier
+    queries). The change reaches the token's own logits: the probe is live."""
+    base, loud, t = _hf_perturbed(hf, recipe, bt)
+    changed = (base != loud).any(dim=-1)
+    doc1 = slice(HF_LENS[0], HF_LENS[0] + HF_LENS[1])
+    assert changed[t], "the perturbed token's own logits did not change"
+    assert not changed[:t].any(), f"rows {changed[:t].nonzero().flatten().tolist()} changed: leak"
+    assert not changed[doc1.stop:].any(), (f"document 2 rows "
+                                           f"{changed[doc1.stop:].nonzero().flatten().tolist()} changed")
+
+
+def test_hf_llama_unsafe_setting_leaks(hf):
+    """The same probe has teeth: with safeguard=False and 32-token K/V blocks, the LOUD token moves
+    its block's K scale and with it the E4M3 rounding of the block's small keys, which the 10
+    earlier queries of its block see: their logits change (measured: 5 of the 10 rows), the future
+    leaks; other documents stay bit-identical (blocks are document-local). A merely 2-4x larger key
+    would not do: a power-of-two scale change moves only the keys that become E4M3 subnormals."""
+    base, loud, t = _hf_perturbed(hf, "mxfp8", 32, safeguard=False)
+    changed = (base != loud).any(dim=-1)
+    start = HF_LENS[0]
+    assert changed[start:t].any(), "safeguard=False did not leak: the probe cannot see a leak"
+    assert not changed[:start].any() and not changed[start + HF_LENS[1]:].any()
+
+
+class _HFModule:
+    """What the adapter reads of a transformers attention module."""
+    def __init__(self, is_causal=True, sliding_window=None):
+        self.is_causal, self.sliding_window = is_causal, sliding_window
+
+
+def _hf_qkv(B=1, S=40, seed=41):
+    """(B, H, S, D) q and (B, Hk, S, D) k, v as the model passes them (transposed views)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [randn(gen, B, S, h, 64).transpose(1, 2) for h in (4, 2, 2)]
+
+
+_HF_REFUSED = {
+    "attention_mask 4-D": (dict(attention_mask=torch.ones(1, 1, 40, 40, dtype=torch.bool)),
+                           "attention_mask"),
+    "attention_mask 2-D with padding": (dict(attention_mask=torch.arange(40)[None] < 30),
+                                        "attention_mask"),
+    "dropout": (dict(dropout=0.1), "dropout"),
+    "sliding_window kwarg": (dict(sliding_window=16), "sliding_window"),
+    "sliding_window attribute": (dict(module=_HFModule(sliding_window=16)), "sliding_window"),
+    "softcap": (dict(softcap=50.0), "softcap"),
+    "KV cache": (dict(key_len=41), "key length 41"),
+}
+
+
+@pytest.mark.parametrize("case", list(_HF_REFUSED))
+def test_hf_adapter_refuses(case):
+    """What FLAMIA does not compute is refused with a ValueError naming the argument, never
+    computed silently wrong."""
+    kw, match = _HF_REFUSED[case]
+    kw = dict(kw)
+    module = kw.pop("module", _HFModule())
+    q, k, v = _hf_qkv()
+    if kw.pop("key_len", None):
+        k, v = (torch.cat([x, x[:, :, :1]], dim=2) for x in (k, v))
+    mask = kw.pop("attention_mask", None)
+    attn = flamia.flamia_hf_attention_fn("mxfp8", block_tokens=32)
+    with pytest.raises(ValueError, match=match):
+        attn(module, q, k, v, None if mask is None else mask.to(DEVICE), **kw)
+    # without the offending argument the same call runs
+    assert attn(_HFModule(), *_hf_qkv(), None)[0].shape == (1, 40, 4, 64)
+    for bad, match in ((dict(recipe="fp8"), "recipe"), (dict(block_tokens=16), "block_tokens")):
+        with pytest.raises(ValueError, match=match):
+            flamia.flamia_hf_attention_fn(**bad)
+
+
+def test_hf_llama_refuses_padding_and_kv_cache(hf):
+    """Through the model: a padding mask reaches the adapter (flash_attention_mask is registered for
+    the name, see flamia_hf_attention_fn) and is refused; a full-sequence forward with use_cache
+    runs (query length == key length) and the next decoding step is refused."""
+    model = _hf_use(hf, _hf_llama(hf), "bf16")
+    ids, _ = _hf_row()
+    mask = torch.ones_like(ids)
+    mask[0, -5:] = 0
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(ids, attention_mask=mask)
+    with torch.no_grad():
+        out = model(ids[:, :20], use_cache=True)
+        with pytest.raises(ValueError, match="key length 21"):
+            model(ids[:, 20:21], past_key_values=out.past_key_values, use_cache=True)
+
+
+def test_hf_non_causal_module_attends_within_documents():
+    """A module with is_causal False gets full attention inside each document of the packed row
+    (position_ids restart), not across them: vs exact fp64 attention per document at the bf16
+    recipe's kernel tolerance (TOL "o"; measured 2.1e-3)."""
+    q, k, v = _hf_qkv(S=sum(HF_LENS))
+    pos = torch.cat([torch.arange(n) for n in HF_LENS])[None].to(DEVICE)
+    out, _ = flamia.flamia_hf_attention_fn("bf16")(_HFModule(is_causal=False), q, k, v, None,
+                                                   position_ids=pos)
+    flat = [x[0].transpose(0, 1) for x in (q, k, v)]  # (T, heads, D)
+    ref = flamia.attention_fp64(*flat, cu_of(HF_LENS), causal=False)
+    assert_rel(out[0], ref, tol("o", "bf16"), "non-causal vs fp64 per document")
+
+
+def test_hf_autocast_attends_in_the_autocast_dtype():
+    """Under autocast, RoPE's fp32 tables hand the adapter fp32 q, k, v: it attends in the autocast
+    dtype, bit-identical to casting them first; without autocast fp32 is refused (TypeError)."""
+    q, k, v = (x.float() for x in _hf_qkv())
+    attn = flamia.flamia_hf_attention_fn("mxfp8", block_tokens=32)
+    with torch.autocast(DEVICE, dtype=BF16):
+        got = attn(_HFModule(), q, k, v, None)[0]
+    assert_bitwise(got, attn(_HFModule(), q.to(BF16), k.to(BF16), v.to(BF16), None)[0], "autocast")
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        attn(_HFModule(), q, k, v, None)
