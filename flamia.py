@@ -44,6 +44,7 @@ What ran where: every kernel runs in CI under Triton's CPU interpreter and on an
 Blackwell path (backend="dot_scaled", E8M0 scales inside the MMA) has run under the interpreter
 and through Triton's bf16 emulation on Hopper, never on a Blackwell GPU.
 """
+import collections
 import functools
 import math
 import os
@@ -301,7 +302,12 @@ def _check_offsets(offsets: list, name: str) -> None:
 # side; *_PAD are the documents' starts in the token-transposed (16-aligned) layouts.
 TILE_START, TILE_END, OWN_START, OWN_END, OTHER_START, OTHER_END, OTHER_PAD, OWN_PAD = (
     tl.constexpr(i) for i in range(8))
-_PLANS = {}  # id(cu_seqlens_q on the plan's device) -> Plan; the custom ops find plans here
+# The custom ops find plans here: id(cu_seqlens_q on the plan's device) -> Plan, for as long as the
+# Plan lives (a Plan holds that tensor, so a strong entry would keep both forever). Plans that
+# calls build themselves (no plan=) stay alive in _RECENT_PLANS: the backward and later layers of
+# the same batch find them, and memory stays bounded.
+_PLANS = weakref.WeakValueDictionary()
+_RECENT_PLANS = collections.deque(maxlen=16)
 
 
 class Plan:
@@ -360,7 +366,6 @@ class Plan:
                 self._known[id(t), side] = (weakref.ref(t), t._version)
         key = id(self.cu_seqlens_q)  # every plan is found by the custom ops (see section 6)
         _PLANS[key] = self
-        weakref.finalize(self.cu_seqlens_q, _PLANS.pop, key, None)
         self.version = self.cu_seqlens_q._version  # an in-place change of cu_seqlens invalidates it
 
     def check_offsets(self, cu: torch.Tensor, name: str) -> None:
@@ -1896,6 +1901,7 @@ def _plan_for(cu_q: torch.Tensor, cu_k: torch.Tensor, dense: list) -> Plan:
     if (plan is None or plan.cu_seqlens_q is not cu_q or plan.cu_seqlens_k is not cu_k
             or plan.version != cu_q._version):
         plan = Plan(cu_q, cu_k)
+        _RECENT_PLANS.append(plan)
     return plan
 
 
@@ -2196,11 +2202,9 @@ _HF_PLANS = {}  # id(a batch's cu_seq_lens_q or position_ids) -> (stamp, Plan)
 
 
 def _forget_plan(key: int) -> None:
-    # A Plan registered in _PLANS holds its own cu_seqlens, so it would outlive its batch: the
-    # batch tensor's death ends both entries (a backward still running rebuilds its Plan).
-    hit = _HF_PLANS.pop(key, None)
-    if hit is not None:
-        _PLANS.pop(id(hit[1].cu_seqlens_q), None)
+    # The batch tensor's death ends its Plan (and so the Plan's registration in _PLANS; a backward
+    # still running holds its Plan through the call's own cu_seqlens lookup, or rebuilds it).
+    _HF_PLANS.pop(key, None)
 
 
 def _hf_plan(batch_tensor: torch.Tensor, query: torch.Tensor, make_plan) -> Plan:

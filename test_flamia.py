@@ -939,6 +939,23 @@ def test_a_plan_is_built_once_per_batch(monkeypatch):
     assert len(built) == 1, "a cu_seqlens changed in place must not reuse its old Plan"
 
 
+def test_plans_do_not_accumulate():
+    """A Plan is registered for the custom ops only while it lives: plans of past batches -- held by
+    nobody, or built by calls without plan= (at most the last few are kept) -- are freed, so a
+    training loop's memory does not grow with its steps."""
+    import gc
+    q, k, v = qkv(72, 73)
+    gc.collect()
+    before = len(flamia._PLANS)  # flamia_attn_func's plans, cached per shape, stay
+    for step in range(40):
+        cu = cu_of((33 + step % 7, 40 - step % 7))
+        flamia.flamia_plan(cu)  # a user's plan, dropped
+        flamia.flamia_attn_varlen_func(q, k, v, cu, cu, 40, 40, recipe="bf16")  # builds its own
+    gc.collect()
+    grown = len(flamia._PLANS) - before
+    assert grown <= flamia._RECENT_PLANS.maxlen, f"{grown} more plans registered after 40 batches"
+
+
 def test_a_plan_refuses_other_cu_seqlens(monkeypatch):
     """plan= binds a call to the documents the plan was built for: other cu_seqlens (same count, other
     boundaries: tokens would be attended as part of the wrong document) are refused, naming the argument,
