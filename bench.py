@@ -413,7 +413,7 @@ def bench_quant(args):
             quant = lambda: flamia.quantize_mxfp8(x, plan, bt, transposed=transposed, per_token_copy=tok)
             out = quant()
             exact = True  # every output, the token-transposed and per-token copies included
-            for got, ref_bt in ((out[0], bt), (out[1], 1)) if tok else ((out, bt),):
+            for got, ref_bt in ((out, bt), (out.tok, 1)) if tok else ((out, bt),):
                 ref = flamia.quantize_mxfp8_reference(x, cu, ref_bt)
                 end = plan.pad_q[-1]  # exponents: padded layout, the tail past the last document unused
                 exact &= bool((got.exp[:, :end] == ref.exp[:, :end]).all())

@@ -480,10 +480,12 @@ def token_block_start(cu_seqlens: torch.Tensor, total: int, block_tokens: int) -
 class MXFP8(NamedTuple):
     """A quantized (T, H, D) tensor: data (T, H, D) float8_e4m3fn or None, exp (H, T_padded) uint8
     E8M0 and data_t (H, D, T_padded) float8_e4m3fn or None (token-transposed), both in the padded
-    token layout (padded_columns of the documents x was quantized with)."""
+    token layout (padded_columns of the documents x was quantized with). tok: the same tensor
+    quantized per token, in the same layout (the causal safeguard's copy), where it was made."""
     data: torch.Tensor
     exp: torch.Tensor
     data_t: torch.Tensor = None
+    tok: Optional["MXFP8"] = None
 
     def token_exp(self, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """(H, T) the exponent of every token of the row-major data."""
@@ -716,18 +718,28 @@ def _side_total(plan: Plan, side: str, x: torch.Tensor) -> None:
         raise ValueError(f"x is on {x.device} but the plan is on {plan.device}")
 
 
+class MXFP8Launch(NamedTuple):
+    """What one quantize_mxfp8_launch wrote: x's MXFP8, and second's and the queries' if asked."""
+    x: MXFP8
+    second: Optional[MXFP8]
+    queries: Optional[MXFP8]
+
+
 def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str = "q",
-                   transposed: bool = False, per_token_copy: bool = False, second=None,
-                   queries=None):
+                   transposed: bool = False, per_token_copy: bool = False) -> MXFP8:
     """Fused Triton quantizer: ONE launch reads x (T, H, D) once and writes the block-scaled data
     (row-major, or token-transposed with transposed=True: how the forward reads V), its exponents,
-    and a per-token scaled copy in the same layout (per_token_copy=True, for the causal safeguard).
-    `side`: whose documents x follows in `plan` ("q" or "k"). Returns an MXFP8, or
-    (block MXFP8, per-token MXFP8). second=(x2, transposed2): a second tensor of the same shape,
-    documents and block_tokens in the same launch (K and V: one launch fewer per forward); then
-    returns the pair of results. queries=q: Q (T, Hq, D) of the same documents (Hq a multiple of
-    H), quantized per token, row-major, in the same launch too (the forward's single quantizer
-    launch); its MXFP8 is appended to the results."""
+    and with per_token_copy=True the per-token quantized copy in the same layout (.tok, for the
+    causal safeguard). `side`: whose documents x follows in `plan` ("q" or "k")."""
+    return quantize_mxfp8_launch(x, plan, block_tokens, side, transposed, per_token_copy).x
+
+
+def quantize_mxfp8_launch(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str = "q",
+                          transposed: bool = False, per_token_copy: bool = False, second=None,
+                          queries=None) -> MXFP8Launch:
+    """quantize_mxfp8, with more tensors in the same launch (the forward quantizes in one):
+    second=(x2, transposed2), a tensor of x's shape, documents and block_tokens (K and V);
+    queries=q, Q (T, Hq, D) of the same documents (Hq a multiple of H), per token, row-major."""
     _check_tensor(x, "x")
     _check_block_tokens(block_tokens)
     _side_total(plan, side, x)
@@ -741,7 +753,7 @@ def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str
                      torch.empty(H, t_pad, dtype=torch.uint8, device=x.device),
                      torch.empty(H, D, t_pad, dtype=f8, device=x.device) if transposed else None)
 
-    def outputs(transposed):
+    def outputs(transposed):  # (the block-scaled result, where the per-token copy goes)
         out = alloc(transposed)
         return out, (alloc(transposed) if per_token_copy else out)
     out, tok = outputs(transposed)
@@ -780,12 +792,9 @@ def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str
             WRITE_TOK=per_token_copy, PTX_CVT=not INTERPRETED, SECOND=second is not None,
             WRITE_T2=transposed2, QUERIES=queries is not None,
             num_warps=8)  # 4 warps spill with the per-token copy
-    results = [(out, tok) if per_token_copy else out]
-    if second is not None:
-        results.append((out2, tok2) if per_token_copy else out2)
-    if queries is not None:
-        results.append(out_q)
-    return results[0] if len(results) == 1 else tuple(results)
+    with_tok = lambda m, t: m._replace(tok=t) if per_token_copy else m
+    return MXFP8Launch(with_tok(out, tok), with_tok(out2, tok2) if second is not None else None,
+                       out_q if queries is not None else None)
 
 
 @triton.jit
@@ -1862,27 +1871,22 @@ def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, c
     when the query documents differ from the key documents or K is FP4)."""
     # Q per token: a scale shared along its rows would leak. V only token-transposed: the K-major
     # operand of P V (the backward dequantizes this copy).
-    together = plan.same_documents  # one tile table for Q and K: Q joins the K/V launch
-    queries = q if together else None
+    queries = q if plan.same_documents else None  # one tile table for Q and K: Q joins the launch
     k_tok = (None, None)
     if recipe.k_fp4:  # FP4 along the head dim, per token: the safeguard needs no copy of K
         kf = quantize_fp4(k, plan, recipe.k_format, "k")
         k_parts = (kf.packed, kf.s2, kf.block_scale)
-        res = quantize_mxfp8(v, plan, block_tokens, "k", transposed=True, per_token_copy=copies,
-                             queries=queries)
-        vq, q8 = res if together else (res, None)
+        v8, _, q8 = quantize_mxfp8_launch(v, plan, block_tokens, "k", transposed=True,
+                                          per_token_copy=copies, queries=queries)
     else:  # K row-major and V in the same launch
-        res = quantize_mxfp8(k, plan, block_tokens, "k", per_token_copy=copies, second=(v, True),
-                             queries=queries)
-        kq, vq, q8 = res if together else (*res, None)
-        k8, ks8 = kq if copies else (kq, None)
+        k8, v8, q8 = quantize_mxfp8_launch(k, plan, block_tokens, "k", per_token_copy=copies,
+                                           second=(v, True), queries=queries)
         k_parts = (k8.data, k8.exp, None)
         if copies:
-            k_tok = (ks8.data, ks8.exp)
+            k_tok = (k8.tok.data, k8.tok.exp)
     if q8 is None:  # cross-attention: Q follows other documents, its own launch
         q8 = quantize_mxfp8(q, plan, 1, "q")
-    v8, vs8 = vq if copies else (vq, None)
-    v_tok = (vs8.data_t, vs8.exp) if copies else (None, None)
+    v_tok = (v8.tok.data_t, v8.tok.exp) if copies else (None, None)
     parts = (q8.data, q8.exp, *k_parts, *k_tok, v8.data_t, v8.exp, *v_tok)
     return Operands(*(p if p is not None else q.new_empty(0, dtype=torch.float32) for p in parts))
 

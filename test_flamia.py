@@ -476,8 +476,9 @@ def test_triton_quantizer_bit_identical(dtype, D, bt):
         else:
             plan, side = flamia.Plan(cu), "q"
         _poison_allocator()
-        blk, tok = flamia.quantize_mxfp8(x, plan, bt, side, per_token_copy=True)
-        blk_t, tok_t = flamia.quantize_mxfp8(x, plan, bt, side, transposed=True, per_token_copy=True)
+        blk = flamia.quantize_mxfp8(x, plan, bt, side, per_token_copy=True)
+        blk_t = flamia.quantize_mxfp8(x, plan, bt, side, transposed=True, per_token_copy=True)
+        tok, tok_t = blk.tok, blk_t.tok
         assert blk_t.data is None and blk.data_t is None, "one layout per call"
         ref, ref1 = flamia.quantize_mxfp8_reference(x, cu, bt), flamia.quantize_mxfp8_reference(x, cu, 1)
         where = f"layout {lens} ({side} side)"
@@ -500,7 +501,7 @@ def test_triton_quantizer_bit_identical(dtype, D, bt):
 
 @pytest.mark.parametrize("bt,copy", [(1, False), (32, True), (128, True)])
 def test_quantizer_second_tensor_same_launch(bt, copy):
-    """quantize_mxfp8(second=(v, True)) -- K and V in one launch, as the forward does -- writes
+    """quantize_mxfp8_launch(second=(v, True)) -- K and V in one launch, as the forward does -- writes
     exactly what two separate calls write: K row-major, V token-transposed, exponents (padding
     included) and the per-token copies. A mix-up between the two tensors or layouts shows here."""
     gen = torch.Generator().manual_seed(61 + bt)
@@ -510,10 +511,11 @@ def test_quantizer_second_tensor_same_launch(bt, copy):
     plan = flamia.Plan(cu)
     end = sum(flamia._pad16(b - a) for a, b in zip(offs, offs[1:]))
     _poison_allocator()
-    kq, vq = flamia.quantize_mxfp8(k, plan, bt, "q", per_token_copy=copy, second=(v, True))
+    kq, vq, none = flamia.quantize_mxfp8_launch(k, plan, bt, "q", per_token_copy=copy, second=(v, True))
+    assert none is None and (kq.tok is not None) == copy == (vq.tok is not None)
     k1 = flamia.quantize_mxfp8(k, plan, bt, "q", per_token_copy=copy)
     v1 = flamia.quantize_mxfp8(v, plan, bt, "q", transposed=True, per_token_copy=copy)
-    pairs = list(zip(kq, k1)) + list(zip(vq, v1)) if copy else [(kq, k1), (vq, v1)]
+    pairs = [(kq, k1), (vq, v1)] + ([(kq.tok, k1.tok), (vq.tok, v1.tok)] if copy else [])
     for i, (got, want) in enumerate(pairs):
         assert (got.data is None) == (want.data is None) and (got.data_t is None) == (want.data_t is None)
         assert_bitwise(got.exp[:, :end], want.exp[:, :end], f"output {i}: exponents")
@@ -521,14 +523,14 @@ def test_quantizer_second_tensor_same_launch(bt, copy):
             assert_bitwise(got.data, want.data, f"output {i}: row-major data")
         else:
             assert_bitwise(got.data_t[..., :end], want.data_t[..., :end], f"output {i}: transposed data")
-    assert not torch.equal(kq[0].exp if copy else kq.exp, vq[0].exp if copy else vq.exp), "K and V gave one result"
+    assert not torch.equal(kq.exp, vq.exp), "K and V gave one result"
     with pytest.raises(ValueError, match="second has shape"):
-        flamia.quantize_mxfp8(k, plan, bt, "q", second=(v[:, :1], True))
+        flamia.quantize_mxfp8_launch(k, plan, bt, "q", second=(v[:, :1], True))
 
 
 @pytest.mark.parametrize("bt,copy", [(1, False), (128, True)])
 def test_quantizer_queries_same_launch(bt, copy):
-    """quantize_mxfp8(queries=q) -- the forward's one quantizer launch for Q, K and V (GQA: Q has
+    """quantize_mxfp8_launch(queries=q) -- the forward's one quantizer launch for Q, K and V (GQA: Q has
     more heads) -- writes for Q exactly what quantize_mxfp8(q, plan, 1) writes, and K, V as without
     it. Q needs the key side's documents: a cross-attention plan is refused by name."""
     gen = torch.Generator().manual_seed(71 + bt)
@@ -539,18 +541,19 @@ def test_quantizer_queries_same_launch(bt, copy):
     plan = flamia.Plan(cu)
     end = sum(flamia._pad16(b - a) for a, b in zip(offs, offs[1:]))
     _poison_allocator()
-    kq, vq, qq = flamia.quantize_mxfp8(k, plan, bt, "k", per_token_copy=copy, second=(v, True),
-                                       queries=q)
+    kq, vq, qq = flamia.quantize_mxfp8_launch(k, plan, bt, "k", per_token_copy=copy, second=(v, True),
+                                              queries=q)
     q1 = flamia.quantize_mxfp8(q, plan, 1, "q")
-    kq1, vq1 = flamia.quantize_mxfp8(k, plan, bt, "k", per_token_copy=copy, second=(v, True))
+    kq1, vq1, _ = flamia.quantize_mxfp8_launch(k, plan, bt, "k", per_token_copy=copy, second=(v, True))
     assert qq.data_t is None and qq.data.shape == q.shape
     assert_bitwise(qq.data, q1.data, "Q data")
     assert_bitwise(qq.exp[:, :end], q1.exp[:, :end], "Q exponents")
-    for got, want in zip(kq + vq if copy else (kq, vq), kq1 + vq1 if copy else (kq1, vq1)):
+    for got, want in zip((kq, vq, kq.tok, vq.tok) if copy else (kq, vq),
+                         (kq1, vq1, kq1.tok, vq1.tok) if copy else (kq1, vq1)):
         assert_bitwise(got.exp[:, :end], want.exp[:, :end], "K/V exponents beside Q")
     cross = flamia.Plan(cu, cu_of(lens[::-1]))
     with pytest.raises(ValueError, match="queries= needs a plan"):
-        flamia.quantize_mxfp8(k, cross, bt, "k", queries=q)
+        flamia.quantize_mxfp8_launch(k, cross, bt, "k", queries=q)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
@@ -573,8 +576,8 @@ def test_triton_quantizer_nonfinite(bad):
     ref = flamia.quantize_mxfp8_reference(xb, cu, bt)
     tok_mask = torch.zeros_like(blk)
     tok_mask[t, h] = True
-    for name, m, c, mask in (("block", got[0], clean[0], blk), ("per-token", got[1], clean[1], tok_mask),
-                             ("reference", ref, clean[0], blk)):
+    for name, m, c, mask in (("block", got, clean, blk), ("per-token", got.tok, clean.tok, tok_mask),
+                             ("reference", ref, clean, blk)):
         e = m.token_exp(cu).t()
         assert (e[mask] == 255).all(), f"{name}: exps of the bad block {e[mask].unique().tolist()}"
         assert m.data.float()[mask].isnan().all(), f"{name}: bad block data not all NaN"
