@@ -2279,6 +2279,36 @@ def test_flamia_attention_matches_sdpa_reference():
                                                   f"(<= {t_max:.2e}); " + diff_report(a, r, f"{attn} {name} vs sdpa"))
 
 
+def test_round_only_diagnostic_isolates_operand_rounding():
+    """--round_only (the loss-gap ablation): with "qkv" the bf16 kernels see exactly the operands mxfp8
+    quantizes (per token), so they compute the mxfp8 oracle up to P's bf16 rounding (bf16's O tolerance)
+    and differ from plain bf16 by the quantization error; gradients pass straight through; an operand
+    not named is left alone; misuse is refused."""
+    lens = (40, 1, 70)
+    cu = cu_of(lens)
+    q, k, v = qkv(81, sum(lens), H=2, HK=1)
+    b = tlm.Batch(torch.zeros(sum(lens), dtype=torch.long), None, cu, list(lens), sum(lens))
+    cfg = tlm.parse_config(TINY + ["--attn", "bf16", "--round_only", "qkv"])
+    x = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = tlm.attend(*x, b, cfg)
+    out.float().sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in x)
+    ref = flamia.reference_attention(q, k, v, cu, recipe="mxfp8")
+    assert_rel(out, ref, tol("o", "bf16"), "round_only=qkv vs the mxfp8 oracle")
+    plain = flamia.reference_attention(q, k, v, cu, recipe="bf16")
+    assert rel_l2(out.detach(), plain) > 10 * tol("o", "bf16"), "round_only=qkv did not round"
+    cfg.round_only = "v"
+    assert_bitwise(tlm.round_mxfp8(q, cu), flamia.quantize_mxfp8_reference(q, cu, 1).dequantize(cu).to(BF16), "q")
+    only_v = tlm.attend(q, k, v, b, cfg)
+    ref_v = flamia.reference_attention(q, k, flamia.quantize_mxfp8_reference(v, cu, 1).dequantize(cu).to(BF16),
+                                       cu, recipe="bf16")
+    assert_rel(only_v, ref_v, tol("o", "bf16"), "round_only=v vs bf16 attention on rounded V")
+    for bad in (["--round_only", "qkx", "--attn", "bf16"], ["--round_only", "q", "--attn", "mxfp8"],
+                ["--round_only", "q", "--attn", "bf16", "--block_tokens", "32"]):
+        with pytest.raises(SystemExit):
+            tlm.validate(tlm.parse_config(TINY + bad))
+
+
 def test_data_formats(tmp_path):
     txt = tmp_path / "corpus.txt"
     txt.write_text("doc one\nline\n\n\ndoc two\n\n\n\n\ndoc three\n")  # two or more blank lines separate

@@ -75,6 +75,7 @@ class Config:
     attn: str = "mxfp8"  # a FLAMIA recipe, or sdpa: plain PyTorch SDPA per document (the reference)
     unsafe_leaky_attention: bool = False  # mxfp8 WITHOUT the causal safeguard: leaks the future (demo)
     rotate_qk: bool = False  # Hadamard-rotate Q and K before quantizing (flamia rotate_qk; same logits)
+    round_only: str = ""  # diagnostic, with --attn bf16: round just these of q,k,v to MXFP8 (per token), P in bf16
     block_tokens: int = flamia.DEFAULT_BLOCK_TOKENS  # tokens per K/V scale block (128: faster on long documents)
     tokens_per_batch: int = 32768  # token budget per rank and step; global batch = this x world size
     max_doc_len: int = 2048  # context window: longer documents are cut into pieces this long
@@ -169,6 +170,9 @@ def validate(cfg: Config):
     attns = flamia.RECIPES + ("sdpa",)
     if cfg.attn not in attns:
         die(f"--attn {cfg.attn!r}: choose one of {', '.join(attns)}")
+    if cfg.round_only and (cfg.attn != "bf16" or cfg.block_tokens != 1 or set(cfg.round_only) - set("qkv")):
+        die(f"--round_only {cfg.round_only!r}: letters of 'qkv', with --attn bf16 and --block_tokens 1 (it "
+            "rounds those operands to per-token MXFP8 before FLAMIA's bf16 kernels)")
     if cfg.unsafe_leaky_attention and cfg.attn != "mxfp8":
         die("--unsafe_leaky_attention needs --attn mxfp8 (it switches mxfp8's causal safeguard off)")
     if cfg.block_tokens not in flamia.BLOCK_TOKENS:
@@ -342,6 +346,12 @@ def apply_rope(x, cos, sin):  # x (T, H, D): rotate the two halves of the head d
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
 
 
+def round_mxfp8(x, cu):
+    """x's per-token MXFP8 values (exact in bf16), with the identity gradient (straight-through)."""
+    deq = flamia.quantize_mxfp8_reference(x.detach(), cu, 1).dequantize(cu).to(x.dtype)
+    return deq + (x - x.detach())
+
+
 def attend(q, k, v, b: Batch, cfg: Config):
     """Causal attention inside each document of the batch: q (T, H, D), k and v (T, Hk, D)."""
     if cfg.attn == "sdpa":  # the independent reference: a plain causal SDPA per document
@@ -353,8 +363,11 @@ def attend(q, k, v, b: Batch, cfg: Config):
     # --block_tokens (1: per token; 128 is faster on long documents, README "Speed"),
     # except in the leak demo: 32-token blocks without the safeguard.
     leaky = cfg.unsafe_leaky_attention
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    if cfg.round_only:  # which rounding costs the loss: MXFP8 values of some operands, bf16 MMAs and P
+        q, k, v = (round_mxfp8(x, b.cu) if name in cfg.round_only else x for name, x in zip("qkv", (q, k, v)))
     return flamia.flamia_attn_varlen_func(
-        q.bfloat16(), k.bfloat16(), v.bfloat16(), b.cu, b.cu, b.max_len, b.max_len, causal=True,
+        q, k, v, b.cu, b.cu, b.max_len, b.max_len, causal=True,
         recipe=cfg.attn, plan=b.plan, safeguard=not leaky, rotate_qk=cfg.rotate_qk,
         block_tokens=32 if leaky else cfg.block_tokens)
 
