@@ -11,6 +11,7 @@ prints the max / mean absolute difference (and the relative L2 error where a tol
     python -m pytest -q test_flamia.py            (the README / CI command)
 """
 import contextlib
+import csv
 import functools
 import re
 import math
@@ -2308,6 +2309,27 @@ def test_round_only_diagnostic_isolates_operand_rounding():
                 ["--round_only", "q", "--attn", "bf16", "--block_tokens", "32"]):
         with pytest.raises(SystemExit):
             tlm.validate(tlm.parse_config(TINY + bad))
+
+
+def test_attn_probe_logs_each_layers_error(tmp_path, cpu_training):
+    """--attn_probe_interval: every N steps, one row per layer with the relative error of O, dq, dk, dv
+    against the bf16 kernels on the same inputs and the step's own dO. For --attn bf16 the probe compares
+    the bf16 function with itself: exactly 0 (the probe has no error of its own); for mxfp8 it is the
+    quantization error, nonzero in every layer and quantity (O ~3e-2; dV, which depends on P and dO
+    only, ~1e-3)."""
+    args = TINY + ["--n_layers", "2", "--max_steps", "4", "--eval_interval", "4", "--attn_probe_interval", "2"]
+    errs = {}
+    for attn in ("bf16", "mxfp8"):
+        hist = tlm.main(args + ["--attn", attn, "--out_dir", str(tmp_path / attn)])
+        rows = list(csv.DictReader(open(tmp_path / attn / "attn_probe.csv")))
+        assert [(int(r["step"]), int(r["layer"])) for r in rows] == [(2, 0), (2, 1), (4, 0), (4, 1)], rows
+        assert rows == [{k: str(v) for k, v in r.items()} for r in hist["attn_probe"]]
+        errs[attn] = [float(r[n]) for r in rows for n in ("o", "dq", "dk", "dv")]
+    assert all(e == 0 for e in errs["bf16"]), errs["bf16"]
+    assert all(0 < e < 0.2 for e in errs["mxfp8"]), errs["mxfp8"]
+    assert all(e > 1e-2 for e in errs["mxfp8"][::4]), errs["mxfp8"]  # O: E4M3's quantization error
+    with pytest.raises(SystemExit):
+        tlm.validate(tlm.parse_config(TINY + ["--attn_probe_interval", "2", "--attn", "sdpa"]))
 
 
 def test_data_formats(tmp_path):

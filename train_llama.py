@@ -76,6 +76,7 @@ class Config:
     unsafe_leaky_attention: bool = False  # mxfp8 WITHOUT the causal safeguard: leaks the future (demo)
     rotate_qk: bool = False  # Hadamard-rotate Q and K before quantizing (flamia rotate_qk; same logits)
     round_only: str = ""  # diagnostic, with --attn bf16: round just these of q,k,v to MXFP8 (per token), P in bf16
+    attn_probe_interval: int = 0  # diagnostic: every N steps, each layer's attention error vs bf16 (attn_probe.csv)
     block_tokens: int = flamia.DEFAULT_BLOCK_TOKENS  # tokens per K/V scale block (128: faster on long documents)
     tokens_per_batch: int = 32768  # token budget per rank and step; global batch = this x world size
     max_doc_len: int = 2048  # context window: longer documents are cut into pieces this long
@@ -173,6 +174,9 @@ def validate(cfg: Config):
     if cfg.round_only and (cfg.attn != "bf16" or cfg.block_tokens != 1 or set(cfg.round_only) - set("qkv")):
         die(f"--round_only {cfg.round_only!r}: letters of 'qkv', with --attn bf16 and --block_tokens 1 (it "
             "rounds those operands to per-token MXFP8 before FLAMIA's bf16 kernels)")
+    if cfg.attn_probe_interval and (cfg.attn == "sdpa" or cfg.compile):
+        die("--attn_probe_interval measures a FLAMIA recipe against FLAMIA's bf16 kernels, eagerly: "
+            "not with --attn sdpa or --compile")
     if cfg.unsafe_leaky_attention and cfg.attn != "mxfp8":
         die("--unsafe_leaky_attention needs --attn mxfp8 (it switches mxfp8's causal safeguard off)")
     if cfg.block_tokens not in flamia.BLOCK_TOKENS:
@@ -366,10 +370,40 @@ def attend(q, k, v, b: Batch, cfg: Config):
     q, k, v = (x.bfloat16() for x in (q, k, v))
     if cfg.round_only:  # which rounding costs the loss: MXFP8 values of some operands, bf16 MMAs and P
         q, k, v = (round_mxfp8(x, b.cu) if name in cfg.round_only else x for name, x in zip("qkv", (q, k, v)))
-    return flamia.flamia_attn_varlen_func(
-        q, k, v, b.cu, b.cu, b.max_len, b.max_len, causal=True,
-        recipe=cfg.attn, plan=b.plan, safeguard=not leaky, rotate_qk=cfg.rotate_qk,
-        block_tokens=32 if leaky else cfg.block_tokens)
+    kw = dict(causal=True, plan=b.plan, safeguard=not leaky, rotate_qk=cfg.rotate_qk,
+              block_tokens=32 if leaky else cfg.block_tokens)
+    out = flamia.flamia_attn_varlen_func(q, k, v, b.cu, b.cu, b.max_len, b.max_len, recipe=cfg.attn, **kw)
+    if PROBE.calls is not None and out.requires_grad:  # a probed step: keep the inputs, and the step's dO
+        call = [q.detach(), k.detach(), v.detach(), None, kw]
+        out.register_hook(lambda do: call.__setitem__(3, do.detach()))
+        PROBE.calls.append(call)
+    return out
+
+
+class AttnProbe:
+    """--attn_probe_interval: on a probed step, every layer's attention call is recomputed on the same
+    q, k, v with FLAMIA's bf16 kernels, forward and backward (with the step's own dO): the relative L2
+    error of O, dq, dk and dv that the recipe's rounding adds, layer by layer, along a real run."""
+
+    def __init__(self):
+        self.calls = None  # a list while a step is probed: [q, k, v, dO, options] per layer
+
+    def measure(self, b: Batch, recipe: str) -> list:
+        rows = []
+        for layer, (q, k, v, do, kw) in enumerate(self.calls):
+            res = []
+            for r in (recipe, "bf16"):
+                x = [t.clone().requires_grad_() for t in (q, k, v)]
+                o = flamia.flamia_attn_varlen_func(*x, b.cu, b.cu, b.max_len, b.max_len, recipe=r, **kw)
+                o.backward(do)
+                res.append([o.detach()] + [t.grad for t in x])
+            err = [((a.float() - r.float()).norm() / r.float().norm()).item() for a, r in zip(*res)]
+            rows.append(dict(layer=layer, **{n: f"{e:.4e}" for n, e in zip(("o", "dq", "dk", "dv"), err)}))
+        self.calls = None
+        return rows
+
+
+PROBE = AttnProbe()
 
 
 class Block(nn.Module):
@@ -599,15 +633,24 @@ def train(cfg: Config) -> dict:
                 w.writerows(rows)
 
     hist, val, stop = {"train_loss": [], "val_loss": []}, None, min(cfg.stop_at or cfg.max_steps, cfg.max_steps)
+    probe_rows = hist["attn_probe"] = []
     bar = tqdm(total=stop, initial=step, disable=not master, desc="train", mininterval=1.0)
     while step < stop:
         t0, lr = time.time(), lr_at(cfg, step)
         for g in opt.param_groups:
             g["lr"] = lr
         b = to_device(packer.next_batch(), device)
+        probed = master and cfg.attn_probe_interval and (step + 1) % cfg.attn_probe_interval == 0
+        PROBE.calls = [] if probed else None
         with ctx:
             loss = model(b)
         loss.backward()
+        if probed:
+            probe_rows += [dict(step=step + 1, **r) for r in PROBE.measure(b, cfg.attn)]
+            with open(os.path.join(cfg.out_dir, "attn_probe.csv"), "w", newline="") as fh:
+                w = csv.DictWriter(fh, ["step", "layer", "o", "dq", "dk", "dv"])
+                w.writeheader()
+                w.writerows(probe_rows)
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
