@@ -2202,13 +2202,7 @@ def flamia_attn_func(q, k, v, *, causal=True, softmax_scale=None, recipe="mxfp8"
 # a forward gets the same cu_seq_lens / position_ids tensor object, so the Plan is built on the
 # first layer (one host read) and found by every later one and by the backward. No import of
 # transformers: the function is duck-typed to its calling convention (checked with 5.x).
-_HF_PLANS = {}  # id(a batch's cu_seq_lens_q or position_ids) -> (stamp, Plan)
-
-
-def _forget_plan(key: int) -> None:
-    # The batch tensor's death ends its Plan (and so the Plan's registration in _PLANS; a backward
-    # still running holds its Plan through the call's own cu_seqlens lookup, or rebuilds it).
-    _HF_PLANS.pop(key, None)
+_HF_PLANS = {}  # id(a batch's cu_seq_lens_q or position_ids) -> (stamp, Plan), while that tensor lives
 
 
 def _hf_plan(batch_tensor: torch.Tensor, query: torch.Tensor, make_plan) -> Plan:
@@ -2218,12 +2212,10 @@ def _hf_plan(batch_tensor: torch.Tensor, query: torch.Tensor, make_plan) -> Plan
     key = id(batch_tensor)
     stamp = (batch_tensor._version, query.shape[0], query.shape[2], query.device)
     hit = _HF_PLANS.get(key)
-    if hit is None:
-        weakref.finalize(batch_tensor, _forget_plan, key)
+    if hit is None:  # the batch tensor's death ends its Plan (and so its registration in _PLANS)
+        weakref.finalize(batch_tensor, _HF_PLANS.pop, key, None)
     elif hit[0] == stamp:
         return hit[1]
-    else:
-        _forget_plan(key)
     _HF_PLANS[key] = (stamp, make_plan())
     return _HF_PLANS[key][1]
 
