@@ -18,18 +18,18 @@ Three partitions (gl.warp_specialize), 9 warps. Launch with maxnreg=168: the 9 w
 3 warpgroups and 3 x 128 x 168 registers are redistributed by setmaxnreg to 240 / 240 / 24.
 
   loader (1 warp, 24 regs), per item t:
-      Loads the item's Q (two 64-row TMA boxes into buffer t % 2; waits q_empty, arrives q_bar),
-      then walks the document's key tiles j = 0 .. n_kt-1 through a ring of STAGES shared-memory
+      Loads the item's Q (two 64-row TMA boxes, one per consumer warpgroup w, ring position 2t + w
+      of four: the next item's Q loads while this one runs), then walks the document's key tiles j = 0 .. n_kt-1 through a ring of STAGES shared-memory
       slots, ring position c = (key tiles of earlier items) + j, slot c % STAGES:
         wait kv_empty[s]                              (both consumers are done with slot s)
         TMA K_j   -> k_s[s],  arrives on k_ready[s]   (expect-tx barrier)
         TMA V_j^T -> v_s[s],  arrives on v_ready[s]   (S can start before V lands)
         mxfp8: load the tile's 2 x 128 scale bytes, store 2^(ek-127) (fp32) and ev-127 (int32)
                to sk_s[s], ev_s[s], then arrive on sc_ready[s] (ONE_SCALE tiles skip the wait).
-      Barrier phases are (c // STAGES) & 1 for the ring and (t // 2) & 1 for Q.
-      The scale rows (H, T) of E8M0 bytes are not 16-byte aligned in general, so TMA cannot fetch
-      them; this warp runs STAGES tiles ahead, which hides their latency (loaded in the consumers
-      they sat on the critical path).
+      Slots and phases come from _acquire_filled / _acquire_free / _release only; Ring lists
+      every barrier with who arrives and who waits. The scales are plain loads by this warp, which
+      runs STAGES tiles ahead and so hides their latency (loaded in the consumers they sat on the
+      critical path).
       B_t=128, causal: the masked (diagonal) tiles come from the per-token copies KS, VS, EKS, EVS
       instead (flamia's per-tile causal safeguard).
   consumer w=0 (4 warps, 240 regs):  one warpgroup = 64 query rows (rows 0..63 of the tile)
@@ -43,7 +43,7 @@ Per consumer warpgroup, key tile j (S_j = Q K_j^T is already in registers; S_0 b
     O *= alpha_j;  wait v_ready[j];  issue O += P_j V_j   (async wgmma, P from registers)
     wgmma_wait(1) -> S_{j+1};  wgmma_wait(0) -> O;  arrive kv_empty[j]
 and the other warpgroup's softmax runs under this one's P V. Every MMA is retired in the step that
-issued it, for two facts of ptxas (12.8, seen in the SASS): it cannot follow an accumulator that is
+issued it, for two facts of ptxas (seen in the SASS): it cannot follow an accumulator that is
 in flight across a loop's back edge (it then serializes every MMA, warning C7514), and it places a
 wgmma wait as early as the wait's own dependencies allow, so a softmax can only overlap an MMA
 issued before it and waited for after it: FA3's "issue P_{j-1} V_{j-1}, softmax, wait" order
@@ -76,7 +76,7 @@ are computed and never stored (masked stores of O and LSE).
 
 Limits: D in {64, 128}; B_t in {1, 128} (128 causal only where flamia's _tile_safeguard holds for
 128-wide tiles); B_t = 32/64 causal (per-pair safeguard) stay on flamia's tl kernel; bf16 inputs
-(fp16 was not validated); Tq*H*D < 2^31. Speed: README ("Hopper: the Gluon forward").
+(fp16 was not validated); Tq*H*D < 2^31.
 """
 import functools
 
@@ -89,6 +89,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (tma, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
+from triton.language.core import _aggregate as aggregate  # 3.6's (private) name; gl.aggregate later
 
 
 # flamia.py checks this: the exponent rows are read in its padded token layout (H, T_padded).
@@ -109,7 +110,7 @@ def unavailable_reason():
 
 
 # The tile table's columns (flamia.py section 2) are read by index in the kernel:
-# 0 TILE_START, 1 TILE_END, 2 OWN_START, 3 OWN_END, 4 OTHER_START, 5 OTHER_END, 6 OTHER_PAD
+# 0 TILE_START, 1 TILE_END, 2 OWN_START, 3 OWN_END, 4 OTHER_START, 5 OTHER_END, 6 OTHER_PAD, 7 OWN_PAD
 
 # ------------------------------------------------------------------------------------------------
 # layouts
@@ -142,6 +143,64 @@ def _row_reduce(x, SUM: gl.constexpr):
     else:
         r = gl.max(gl.max(gl.max(t, 2), 1), 1)
     return gl.convert_layout(r, gl.SliceLayout(1, x.type.layout), assert_trivial=True)
+
+# ------------------------------------------------------------------------------------------------
+# rings of shared-memory slots and their mbarriers
+# ------------------------------------------------------------------------------------------------
+# A ring position c (a count that runs on across work items) uses slot c % STAGES. A barrier
+# completes once per lap of the ring, so the phase a waiter needs is the lap's parity (c // STAGES) & 1.
+# These three helpers are the only places that compute a slot or a phase.
+@gluon.jit
+def _acquire_filled(bars, c, STAGES: gl.constexpr):
+    """Consumer side: wait until the producer has filled ring position c."""
+    mbarrier.wait(bars.index(c % STAGES), (c // STAGES) & 1)
+
+@gluon.jit
+def _acquire_free(bars, c, STAGES: gl.constexpr):
+    """Producer side: wait until the consumers released position c - STAGES (the slot's previous
+    lap). The previous lap's parity: on the first lap a fresh barrier passes at once."""
+    mbarrier.wait(bars.index(c % STAGES), ((c // STAGES) & 1) ^ 1)
+
+@gluon.jit
+def _release(bars, c, STAGES: gl.constexpr):
+    mbarrier.arrive(bars.index(c % STAGES), count=1)
+
+@aggregate
+class Ring:
+    """The forward's shared memory, passed to every partition as one value. Barriers (count: who
+    arrives -> who waits):
+      q_bar[4]     (1, expect-tx: TMA)  loader's Q box      -> consumer WG w, position 2t + w
+      q_empty[4]   (1) consumer WG w after its item's last S -> loader, before the next Q there
+      k_ready[S]   (1, expect-tx: TMA)  K tile              -> both consumers, before S = Q K^T
+      v_ready[S]   (1, expect-tx: TMA)  V^T tile            -> both consumers, before O += P V
+      sc_ready[S]  (1) loader, scales staged in sk_s/ev_s   -> both consumers, before the softmax
+      kv_empty[S]  (2) each consumer WG after its P V       -> loader, before refilling the slot"""
+    q_s: gl.shared_memory_descriptor
+    k_s: gl.shared_memory_descriptor
+    v_s: gl.shared_memory_descriptor
+    sk_s: gl.shared_memory_descriptor
+    ev_s: gl.shared_memory_descriptor
+    q_bar: gl.shared_memory_descriptor
+    q_empty: gl.shared_memory_descriptor
+    k_ready: gl.shared_memory_descriptor
+    v_ready: gl.shared_memory_descriptor
+    sc_ready: gl.shared_memory_descriptor
+    kv_empty: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, q_s, k_s, v_s, sk_s, ev_s, q_bar, q_empty, k_ready, v_ready, sc_ready,
+                 kv_empty):
+        self.q_s = q_s
+        self.k_s = k_s
+        self.v_s = v_s
+        self.sk_s = sk_s
+        self.ev_s = ev_s
+        self.q_bar = q_bar
+        self.q_empty = q_empty
+        self.k_ready = k_ready
+        self.v_ready = v_ready
+        self.sc_ready = sc_ready
+        self.kv_empty = kv_empty
 
 @gluon.jit
 def _stage_scales(EK, EV, EKS, EVS, sk_slot, ev_slot, n0, kd_end, per_token,
@@ -222,9 +281,8 @@ def _work_item(TILES, item, H, HK, BLOCK_N: gl.constexpr, BLOCK_TOKENS: gl.const
 # loader partition (1 warp): TMA into the ring
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, ks_desc, vs_desc, q_s, k_s, v_s, sk_s, ev_s, q_bar, q_empty,
-            k_ready, v_ready, sc_ready, kv_empty, EK, EV, EKS, EVS, TILES, T_KPAD, H, HK, n_items,
-            D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+def _loader(q_desc, k_desc, v_desc, ks_desc, vs_desc, ring, EK, EV, EKS, EVS, TILES, T_KPAD, H, HK,
+            n_items, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
             BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, QUANT: gl.constexpr,
             TILE_SAFEGUARD: gl.constexpr):
     c0 = 0  # ring position of the item's first key tile: the ring runs on across items
@@ -232,51 +290,45 @@ def _loader(q_desc, k_desc, v_desc, ks_desc, vs_desc, q_s, k_s, v_s, sk_s, ev_s,
         h, hk, q_start, q_end, qd_start, kd_start, kd_end, v_base, own_pad, shift, n_kt, \
             n_unmasked = _work_item(TILES, _item(t), H, HK, BLOCK_N, BLOCK_TOKENS, CAUSAL,
                                     TILE_SAFEGUARD, QUANT)
-        # Q of item t goes to buffer t % 2, free once the consumers finished item t - 2
+        # Q of item t, warpgroup w's 64 rows: ring position 2t + w of 4 (two items in flight)
         for w in gl.static_range(2):
-            b = (t % 2) * 2 + w
-            mbarrier.wait(q_empty.index(b), ((t // 2) & 1) ^ 1)  # fresh buffers pass at once
-            mbarrier.expect(q_bar.index(b), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_start + w * 64, h * D], q_bar.index(b),
-                                            q_s.index(b))
+            b = (2 * t + w) % 4
+            _acquire_free(ring.q_empty, 2 * t + w, 4)
+            mbarrier.expect(ring.q_bar.index(b), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_start + w * 64, h * D], ring.q_bar.index(b),
+                                            ring.q_s.index(b))
         col = hk * T_KPAD + (v_base - kd_start)  # exponent rows indexed by token (see _work_item)
         for j in range(n_kt):
             c = c0 + j
             s = c % STAGES
-            mbarrier.wait(kv_empty.index(s), ((c // STAGES) & 1) ^ 1)  # fresh slots pass at once
+            _acquire_free(ring.kv_empty, c, STAGES)
             n0 = kd_start + j * BLOCK_N
             v0 = v_base + j * BLOCK_N
-            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            k_ready = ring.k_ready.index(s)
+            v_ready = ring.v_ready.index(s)
+            mbarrier.expect(k_ready, k_desc.block_type.nbytes)
+            mbarrier.expect(v_ready, v_desc.block_type.nbytes)
             if TILE_SAFEGUARD:
                 if j >= n_unmasked:  # diagonal tiles of B_t=128: the per-token copies
-                    tma.async_copy_global_to_shared(ks_desc, [n0, hk * D], k_ready.index(s),
-                                                    k_s.index(s))
-                    tma.async_copy_global_to_shared(vs_desc, [hk * D, v0], v_ready.index(s),
-                                                    v_s.index(s))
+                    tma.async_copy_global_to_shared(ks_desc, [n0, hk * D], k_ready, ring.k_s.index(s))
+                    tma.async_copy_global_to_shared(vs_desc, [hk * D, v0], v_ready, ring.v_s.index(s))
                 else:
-                    tma.async_copy_global_to_shared(k_desc, [n0, hk * D], k_ready.index(s),
-                                                    k_s.index(s))
-                    tma.async_copy_global_to_shared(v_desc, [hk * D, v0], v_ready.index(s),
-                                                    v_s.index(s))
+                    tma.async_copy_global_to_shared(k_desc, [n0, hk * D], k_ready, ring.k_s.index(s))
+                    tma.async_copy_global_to_shared(v_desc, [hk * D, v0], v_ready, ring.v_s.index(s))
             else:
-                tma.async_copy_global_to_shared(k_desc, [n0, hk * D], k_ready.index(s),
-                                                k_s.index(s))
+                tma.async_copy_global_to_shared(k_desc, [n0, hk * D], k_ready, ring.k_s.index(s))
                 if QUANT:  # V token-transposed (HK*D, T_pad): box [D, BLOCK_N]
-                    tma.async_copy_global_to_shared(v_desc, [hk * D, v0], v_ready.index(s),
-                                                    v_s.index(s))
+                    tma.async_copy_global_to_shared(v_desc, [hk * D, v0], v_ready, ring.v_s.index(s))
                 else:  # V row-major (Tk, HK*D): box [BLOCK_N, D]
-                    tma.async_copy_global_to_shared(v_desc, [n0, hk * D], v_ready.index(s),
-                                                    v_s.index(s))
+                    tma.async_copy_global_to_shared(v_desc, [n0, hk * D], v_ready, ring.v_s.index(s))
             if QUANT:
-                # The tile's scales: E8M0 rows (H, T) are not 16-byte aligned in general, so no
-                # TMA; this warp loads them (it runs STAGES tiles ahead, which hides the latency)
-                # and stages 2^(ek-127) as fp32 and ev - 127 as int32, so that the consumers do no
-                # global loads and no conversions.
-                _stage_scales(EK + col, EV + col, EKS + col, EVS + col, sk_s.index(s),
-                              ev_s.index(s), n0, kd_end, TILE_SAFEGUARD and j >= n_unmasked,
+                # The tile's scales, by ordinary loads from this warp (it runs STAGES tiles ahead,
+                # which hides their latency), staged as 2^(ek-127) fp32 and ev - 127 int32 so that
+                # the consumers do no global loads and no conversions.
+                _stage_scales(EK + col, EV + col, EKS + col, EVS + col, ring.sk_s.index(s),
+                              ring.ev_s.index(s), n0, kd_end, TILE_SAFEGUARD and j >= n_unmasked,
                               BLOCK_N)
-                mbarrier.arrive(sc_ready.index(s), count=1)
+                _release(ring.sc_ready, c, STAGES)
         c0 += n_kt
 
 # ------------------------------------------------------------------------------------------------
@@ -354,17 +406,16 @@ def _block_scales(EKd, EVd, n, kd_len):
     return ek, gl.load(EVd + n, mask=n < kd_len, other=1).to(gl.int32) - 127
 
 @gluon.jit
-def _issue_s(c, q, k_s, k_ready, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _issue_s(c, q, ring, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """S = Q K^T for the key tile at ring position c, asynchronously (a token)."""
-    st = c % STAGES
-    mbarrier.wait(k_ready.index(st), (c // STAGES) & 1)
-    return warpgroup_mma(q, k_s.index(st).permute((1, 0)),
+    _acquire_filled(ring.k_ready, c, STAGES)
+    return warpgroup_mma(q, ring.k_s.index(c % STAGES).permute((1, 0)),
                          gl.zeros([64, BLOCK_N], gl.float32, _mma_layout(q.dtype, BLOCK_N)),
                          use_acc=False, is_async=True)
 
 @gluon.jit
-def _step(j, c0, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, k_s, v_s, k_ready, v_ready,
-          kv_empty, sk_s, ev_s, sc_ready, EKd, EVd, kd_start, kd_end, qd_start, shift,
+def _step(j, c0, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, ring, EKd, EVd, kd_start,
+          kd_end, qd_start, shift,
           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
           QUANT: gl.constexpr, MASKED: gl.constexpr, LAST: gl.constexpr, ONE_SCALE: gl.constexpr):
     """Key tile j (ring position c0 + j), whose S_j is in registers: issue S_{j+1} (unless LAST),
@@ -379,39 +430,38 @@ def _step(j, c0, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, k_s, v_s, k
     c = c0 + j
     st = c % STAGES
     if not LAST and not MASKED:
-        s_tok = _issue_s(c + 1, q, k_s, k_ready, BLOCK_N, STAGES)
+        s_tok = _issue_s(c + 1, q, ring, BLOCK_N, STAGES)
     offs_n = kd_start + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     one: gl.constexpr = ONE_SCALE and not MASKED
     if QUANT and not one:
-        mbarrier.wait(sc_ready.index(st), (c // STAGES) & 1)
-    p, alpha, m_i, l_i, ref_i = _softmax(s, m_i, l_i, ref_i, qscale, rows, offs_n, sk_s.index(st),
-                                         ev_s.index(st), ek1, ev1, kd_start, kd_end, qd_start,
+        _acquire_filled(ring.sc_ready, c, STAGES)
+    p, alpha, m_i, l_i, ref_i = _softmax(s, m_i, l_i, ref_i, qscale, rows, offs_n,
+                                         ring.sk_s.index(st), ring.ev_s.index(st), ek1, ev1, kd_start, kd_end, qd_start,
                                          shift, CAUSAL, QUANT, MASKED, one)
     if one:  # the next tile's scalar scales, loaded a tile ahead (their latency hides here)
         ek1, ev1 = _block_scales(EKd, EVd, (j + 1) * BLOCK_N, kd_end - kd_start)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     p = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(
         operand_index=0, parent=o_layout, k_width=32 // dtype.primitive_bitwidth))
-    mbarrier.wait(v_ready.index(st), (c // STAGES) & 1)
-    acc_tok = warpgroup_mma(p, _v_operand(v_s, st, QUANT), acc, is_async=True)
+    _acquire_filled(ring.v_ready, c, STAGES)
+    acc_tok = warpgroup_mma(p, _v_operand(ring.v_s, st, QUANT), acc, is_async=True)
     if not LAST and MASKED:
-        s_tok = _issue_s(c + 1, q, k_s, k_ready, BLOCK_N, STAGES)
+        s_tok = _issue_s(c + 1, q, ring, BLOCK_N, STAGES)
     if not LAST:
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
     # Every MMA this step issued is retired inside it: ptxas cannot follow an accumulator that is
     # in flight across the loop's back edge (it serializes every MMA then), and it places a wait
     # for an MMA as early as it can, so the softmax overlaps the MMA issued BEFORE it (S_{j+1}).
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
-    mbarrier.arrive(kv_empty.index(st), count=1)  # K_j and V_j are consumed
+    _release(ring.kv_empty, c, STAGES)  # K_j and V_j are consumed
     return s, acc, m_i, l_i, ref_i, ek1, ev1
 
 @gluon.jit
-def _consumer(q_s, k_s, v_s, sk_s, ev_s, q_bar, q_empty, k_ready, v_ready, sc_ready, kv_empty,
-              EQ, EK, EV, O, LSE, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK, n_items,
+def _consumer(ring, EQ, EK, EV, O, LSE, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK, n_items,
               WG: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, QUANT: gl.constexpr,
               TILE_SAFEGUARD: gl.constexpr, ONE_SCALE: gl.constexpr):
-    dtype: gl.constexpr = q_s.dtype
+    dtype: gl.constexpr = ring.q_s.dtype
     s_layout: gl.constexpr = _mma_layout(dtype, BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(dtype, D)
     row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -437,11 +487,9 @@ def _consumer(q_s, k_s, v_s, sk_s, ev_s, q_bar, q_empty, k_ready, v_ready, sc_re
         # V reference exponent; >= -100 keeps 2^(8-ref) finite
         ref_i = gl.full([64], -100, gl.int32, row_l)
         acc = gl.zeros([64, D], gl.float32, o_layout)
-        b = (t % 2) * 2 + WG
-        mbarrier.wait(q_bar.index(b), (t // 2) & 1)
-        q = q_s.index(b)
-        s = warpgroup_mma_wait(num_outstanding=0,
-                               deps=(_issue_s(c0, q, k_s, k_ready, BLOCK_N, STAGES),))
+        _acquire_filled(ring.q_bar, 2 * t + WG, 4)
+        q = ring.q_s.index((2 * t + WG) % 4)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(_issue_s(c0, q, ring, BLOCK_N, STAGES),))
         ek1 = 0
         ev1 = 0
         if ONE_SCALE:
@@ -450,25 +498,21 @@ def _consumer(q_s, k_s, v_s, sk_s, ev_s, q_bar, q_empty, k_ready, v_ready, sc_re
         n_free = gl.minimum(n_unmasked, n_kt - 1)
         for j in range(0, n_free):
             s, acc, m_i, l_i, ref_i, ek1, ev1 = _step(
-                j, c0, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, k_s, v_s, k_ready,
-                v_ready, kv_empty, sk_s, ev_s, sc_ready, EKd, EVd, kd_start, kd_end, qd_start,
-                shift, BLOCK_N, STAGES, CAUSAL, QUANT, False, False, ONE_SCALE)
+                j, c0, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, ring, EKd, EVd, kd_start,
+                kd_end, qd_start, shift, BLOCK_N, STAGES, CAUSAL, QUANT, False, False, ONE_SCALE)
         for j in range(n_free, n_kt - 1):
             s, acc, m_i, l_i, ref_i, ek1, ev1 = _step(
-                j, c0, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, k_s, v_s, k_ready,
-                v_ready, kv_empty, sk_s, ev_s, sc_ready, EKd, EVd, kd_start, kd_end, qd_start,
-                shift, BLOCK_N, STAGES, CAUSAL, QUANT, True, False, ONE_SCALE)
+                j, c0, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, ring, EKd, EVd, kd_start,
+                kd_end, qd_start, shift, BLOCK_N, STAGES, CAUSAL, QUANT, True, False, ONE_SCALE)
         if n_kt - 1 < n_unmasked:
             s, acc, m_i, l_i, ref_i, ek1, ev1 = _step(
-                n_kt - 1, c0, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, k_s, v_s,
-                k_ready, v_ready, kv_empty, sk_s, ev_s, sc_ready, EKd, EVd, kd_start, kd_end,
-                qd_start, shift, BLOCK_N, STAGES, CAUSAL, QUANT, False, True, ONE_SCALE)
+                n_kt - 1, c0, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, ring, EKd, EVd,
+                kd_start, kd_end, qd_start, shift, BLOCK_N, STAGES, CAUSAL, QUANT, False, True, ONE_SCALE)
         else:
             s, acc, m_i, l_i, ref_i, ek1, ev1 = _step(
-                n_kt - 1, c0, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, k_s, v_s,
-                k_ready, v_ready, kv_empty, sk_s, ev_s, sc_ready, EKd, EVd, kd_start, kd_end,
-                qd_start, shift, BLOCK_N, STAGES, CAUSAL, QUANT, True, True, ONE_SCALE)
-        mbarrier.arrive(q_empty.index(b), count=1)  # every S of this item is retired
+                n_kt - 1, c0, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, ring, EKd, EVd,
+                kd_start, kd_end, qd_start, shift, BLOCK_N, STAGES, CAUSAL, QUANT, True, True, ONE_SCALE)
+        _release(ring.q_empty, 2 * t + WG, 4)  # every S of this item is retired
         c0 += n_kt
         # epilogue: O = acc / l (back from units of 2^(ref - 8)), LSE in natural log. The loader
         # is already fetching the next item's Q, K and V meanwhile.
@@ -518,20 +562,16 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, ks_desc, vs_desc, EQ, EK, EV, EKS, 
     # Unmasked tiles inside one scale block (B_t a multiple of BLOCK_N, both aligned to the
     # document start): their scales are two scalars
     ONE_SCALE: gl.constexpr = QUANT and BLOCK_TOKENS % BLOCK_N == 0
-    WG0: gl.constexpr = 0
-    WG1: gl.constexpr = 1
+    ring = Ring(q_s, k_s, v_s, sk_s, ev_s, q_bar, q_empty, k_ready, v_ready, sc_ready, kv_empty)
     gl.warp_specialize([
-        (_consumer, (q_s, k_s, v_s, sk_s, ev_s, q_bar, q_empty, k_ready, v_ready, sc_ready,
-                     kv_empty, EQ, EK, EV, O, LSE, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H,
-                     HK, n_items, WG0, D, BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, QUANT,
-                     TILE_SAFEGUARD, ONE_SCALE)),
-        (_consumer, (q_s, k_s, v_s, sk_s, ev_s, q_bar, q_empty, k_ready, v_ready, sc_ready,
-                     kv_empty, EQ, EK, EV, O, LSE, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H,
-                     HK, n_items, WG1, D, BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, QUANT,
-                     TILE_SAFEGUARD, ONE_SCALE)),
-        (_loader, (q_desc, k_desc, v_desc, ks_desc, vs_desc, q_s, k_s, v_s, sk_s, ev_s, q_bar,
-                   q_empty, k_ready, v_ready, sc_ready, kv_empty, EK, EV, EKS, EVS, TILES, T_KPAD,
-                   H, HK, n_items, D, BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, QUANT,
+        (_consumer, (ring, EQ, EK, EV, O, LSE, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK,
+                     n_items, 0, D, BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, QUANT, TILE_SAFEGUARD,
+                     ONE_SCALE)),
+        (_consumer, (ring, EQ, EK, EV, O, LSE, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK,
+                     n_items, 1, D, BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, QUANT, TILE_SAFEGUARD,
+                     ONE_SCALE)),
+        (_loader, (q_desc, k_desc, v_desc, ks_desc, vs_desc, ring, EK, EV, EKS, EVS, TILES,
+                   T_KPAD, H, HK, n_items, D, BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, QUANT,
                    TILE_SAFEGUARD)),
     ], [4, 1], [240, 24])
 

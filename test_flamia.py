@@ -1947,6 +1947,79 @@ def test_gluon_is_the_hopper_default_where_fastest():
         assert_bitwise(g, w, "fallback vs backend='wgmma'")
 
 
+@triton.jit
+def _key_range_of_tiles(TILES, OUT, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+                        CAUSAL: tl.constexpr, SAFEGUARD: tl.constexpr):
+    """flamia's rule, as the tl forward applies it to query tile program_id(0): (key tiles, key
+    tiles every row sees in full)."""
+    row = TILES + tl.program_id(0) * 8
+    q_start, q_end = tl.load(row + 0), tl.load(row + 1)
+    qd_start, qd_end = tl.load(row + 2), tl.load(row + 3)
+    k_len = tl.load(row + 5) - tl.load(row + 4)
+    shift = k_len - (qd_end - qd_start)
+    n_full, n_end = flamia._key_range(q_start - qd_start + shift, q_end - qd_start + shift, k_len,
+                                      BLOCK_N, BLOCK_TOKENS, CAUSAL, SAFEGUARD)
+    tl.store(OUT + tl.program_id(0) * 2, (n_end + BLOCK_N - 1) // BLOCK_N)
+    tl.store(OUT + tl.program_id(0) * 2 + 1, n_full // BLOCK_N)
+
+
+if flamia.flamia_hopper is not None:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    @gluon.jit
+    def _gluon_key_range_of_tiles(TILES, OUT, BLOCK_N: gl.constexpr, BLOCK_TOKENS: gl.constexpr,
+                                  CAUSAL: gl.constexpr, SAFEGUARD: gl.constexpr):
+        """flamia_hopper's copy of the rule (_work_item), for query tile program_id(0), head 0."""
+        res = flamia.flamia_hopper._work_item(TILES, gl.program_id(0), 1, 1, BLOCK_N, BLOCK_TOKENS,
+                                              CAUSAL, SAFEGUARD, True)
+        gl.store(OUT + gl.program_id(0) * 2, res[10])
+        gl.store(OUT + gl.program_id(0) * 2 + 1, res[11])
+
+    @gluon.jit
+    def _gluon_exp2_int(E, OUT, N: gl.constexpr):
+        offs = gl.arange(0, N, layout=gl.BlockedLayout([N // 32], [32], [1], [0]))
+        gl.store(OUT + offs, flamia.flamia_hopper._exp2_int(gl.load(E + offs)))
+
+
+@triton.jit
+def _exp2_int_of(E, OUT, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(OUT + offs, flamia._exp2_int(tl.load(E + offs)))
+
+
+@needs_gluon
+def test_gluon_copies_of_the_rules_are_bitwise_flamias():
+    """Gluon cannot call tl functions, so flamia_hopper.py keeps a copy of flamia's key range with
+    the causal safeguard (_work_item) and of _exp2_int. They must be the same functions: over query
+    tiles of packed documents (self-attention and bottom-right-aligned cross-attention with shifts
+    that are and are not multiples of B_t), every block_tokens, both key-tile widths, causal or
+    not, safeguard on or off, and every E8M0 exponent, bitwise."""
+    cases = [((700, 33, 1, 290, 129, 0, 512), None), ((100, 300, 257), (150, 428, 257)),
+             ((5, 128, 200), (133, 256, 456))]
+    checked = 0
+    for lens_q, lens_k in cases:
+        plan = flamia.Plan(cu_of(lens_q), cu_of(lens_k) if lens_k else None)
+        for causal in (True, False):
+            tiles = plan.tiles(flamia.flamia_hopper.BLOCK_M, "q", causal)
+            for bn, bt, sg in ((bn, bt, sg) for bn in (64, 128) for bt in (1, 32, 64, 128, 256)
+                               for sg in (True, False)):
+                want = torch.full((tiles.shape[0], 2), -1, dtype=torch.int32, device=DEVICE)
+                got = want.clone()
+                _key_range_of_tiles[(tiles.shape[0],)](tiles, want, bn, bt, causal, sg)
+                _gluon_key_range_of_tiles[(tiles.shape[0],)](tiles, got, bn, bt, causal, sg,
+                                                             num_warps=1)
+                assert torch.equal(got, want), (lens_q, lens_k, causal, bn, bt, sg, got, want)
+                checked += tiles.shape[0]
+    assert checked > 500
+    e = torch.arange(1, 257, dtype=torch.int32, device=DEVICE).clamp(max=254)
+    want, got = torch.empty(256, device=DEVICE), torch.empty(256, device=DEVICE)
+    _exp2_int_of[(1,)](e, want, 256)
+    _gluon_exp2_int[(1,)](e, got, 256, num_warps=1)
+    assert_bitwise(got, want, "_exp2_int")
+    assert torch.equal(want, torch.exp2(e.double() - 127).float())
+
+
 @needs_gluon
 def test_gluon_refuses_what_it_does_not_compute():
     """The per-pair safeguard (causal B_t=32) and fp16 inputs are not in the Gluon kernel: a clear
