@@ -503,7 +503,7 @@ def bench_tune(args):
                 (128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 64, 64, 8, 3)]
     bwd_cfgs = [((32, 128, 8, 3), (128, 64, 8, 3)), ((32, 128, 8, 2), (128, 64, 8, 2)),
                 ((32, 64, 4, 3), (64, 64, 4, 3)), ((64, 128, 8, 3), (128, 64, 8, 3))]
-    fwd0, bwd0 = flamia._fwd_config, flamia._bwd_config
+    tiles0 = dict(flamia.TILES)  # each config goes into its head dim's row of the tile table
     for name, lens, H, HK, D in workloads(True)[:2]:
         T = sum(lens)
         q, k, v, do = (torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -511,18 +511,18 @@ def bench_tune(args):
         for recipe in ("mxfp8", "bf16"):
             fn = flamia_impl(recipe, lens)
             for cfg in fwd_cfgs:
-                flamia._fwd_config = lambda D, recipe, blackwell=False, cfg=cfg: cfg
+                flamia.TILES[D] = tiles0[D]._replace(fwd=dict(tiles0[D].fwd, **{recipe: cfg}))
                 try:
                     ms = do_bench(lambda: fn(q, k, v))
                     rows.append(dict(workload=name, recipe=recipe, kind="fwd", cfg=cfg, ms=ms, tflops=flops / ms / 1e9))
                     print(f"{name} {recipe} fwd {cfg}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s")
                 except Exception as e:
                     print(f"{name} {recipe} fwd {cfg}: failed {type(e).__name__}: {str(e)[:100]}")
-            flamia._fwd_config = fwd0
+            flamia.TILES[D] = tiles0[D]
             qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
             o = fn(qq, kk, vv)
             for cfg in bwd_cfgs:
-                flamia._bwd_config = lambda D, blackwell=False, cfg=cfg: cfg
+                flamia.TILES[D] = tiles0[D]._replace(dkdv=cfg[0], dq=cfg[1])
                 try:
                     ms = do_bench(lambda: torch.autograd.backward(o, do, retain_graph=True))
                     rows.append(dict(workload=name, recipe=recipe, kind="bwd", cfg=cfg, ms=ms,
@@ -530,7 +530,7 @@ def bench_tune(args):
                     print(f"{name} {recipe} bwd {cfg}: {ms:.3f} ms {2.5 * flops / ms / 1e9:.0f} TFLOP/s")
                 except Exception as e:
                     print(f"{name} {recipe} bwd {cfg}: failed {type(e).__name__}: {str(e)[:100]}")
-            flamia._bwd_config = bwd0
+            flamia.TILES[D] = tiles0[D]
     return rows
 
 
@@ -663,15 +663,15 @@ def sm100_launches(kind, recipe, backend, D, block_tokens, T=512, H=2):
     try:
         q, k, v, do = (torch.randn(T, H, D, dtype=torch.bfloat16) for _ in range(4))
         plan = flamia.Plan(torch.tensor([0, T], dtype=torch.int32))
-        r = flamia._RECIPES[recipe]
-        copies = flamia._token_copies(r, True, True, block_tokens)
-        ops = (flamia._quantize_operands(q, k, v, plan, r, block_tokens, copies) if r.quantized else
-               flamia._empty_operands(flamia._operand_layout(r, copies, T, T, H, H, D, 128, 128), q))
-        kw = dict(causal=True, softmax_scale=D ** -0.5, recipe=recipe, block_tokens=block_tokens, safeguard=True)
-        o, lse = flamia._attn_forward(q, k, v, ops, plan, backend=backend, **kw)
+        var = flamia.variant(q, recipe, block_tokens, plan, True, True, backend)
+        r = var.recipe
+        ops = (flamia._quantize_operands(q, k, v, plan, r, block_tokens, var.copies) if r.quantized else
+               flamia._empty_operands(flamia._operand_layout(r, var.copies, T, T, H, H, D, 128, 128), q))
+        kw = dict(causal=True, softmax_scale=D ** -0.5, block_tokens=block_tokens)
+        o, lse = flamia._attn_forward(q, k, v, ops, plan, var, **kw)
         if kind == "bwd":
             calls.clear()
-            flamia._attn_backward(do, q, k, v, o, lse, ops, plan, **kw)
+            flamia._attn_backward(do, q, k, v, o, lse, ops, plan, var, **kw)
     finally:
         JITFunction.run, flamia._is_blackwell = run, is_blackwell
     names = ("_attn_fwd",) if kind == "fwd" else ("_attn_bwd_dkdv", "_attn_bwd_dq")

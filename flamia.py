@@ -984,6 +984,153 @@ def attention_fp64(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True, sof
 
 
 # ---------------------------------------------------------------------------------------------
+# 5. Kernels. First, the variant: what computes a call
+# ---------------------------------------------------------------------------------------------
+# Every choice of what runs -- backend, forward kernel, K's format in it, tile sizes, the safeguard's
+# mode per kernel, or why a requested backend cannot compute the call -- is made here, once per
+# call, by variant(); the launchers (5a, 5b) only read its Variant.
+#
+# TILES: the tile configurations, one row per head dim (a head dim joins here and in HEAD_DIMS;
+# one without a row is refused: shared memory and registers grow with D). The tl.dot ones are
+# `bench.py --tune`'s on the H200 at D=128 (D=64 reuses them): fp8 wants long key tiles (P V
+# contracts over BLOCK_N) and one warpgroup per 64 query rows, narrow diagonal tiles (MASKED_N) help
+# packed documents, bigger query tiles in dK/dV spill; the FP4 emulation (bf16 Q K^T) is not tuned
+# for speed. Blackwell (`bench.py --sm100`, never timed): Triton lowers tl.dot_scaled to the MX
+# block-scaled MMA only for >= 128 query rows (with 64 it decomposes Q K^T into a bf16 MMA on K
+# upcast in registers), with the widest key tiles that compile without spills at 8 warps; the
+# H200's dK/dV tiles spill there (tcgen05's pipeline keeps more state live): 64 keys, one stage.
+class Tiles(NamedTuple):
+    fwd: dict  # recipe -> (BLOCK_M, BLOCK_N, MASKED_N, num_warps, num_stages) of the tl.dot forward
+    fwd_sm100: dict  # the same, tl.dot_scaled forward on Blackwell
+    dkdv: tuple  # (BLOCK_M, BLOCK_N, num_warps, num_stages) of dK/dV (query x key tiles) ...
+    dkdv_sm100: tuple  # ... on Blackwell (tcgen05 needs >= 64 rows)
+    dq: tuple  # the same, dQ (every GPU)
+    dq_pair_stages: int  # dQ's stages with the per-pair safeguard (it streams K, V and their copies)
+
+
+_FWD_TILES = dict(bf16=(128, 128, 64, 8, 3), mxfp8=(64, 128, 32, 4, 3), nvfp4=(128, 64, 64, 8, 3),
+                  mxfp4=(128, 64, 64, 8, 3))
+_FWD_TILES_SM100 = dict(mxfp8=(128, 128, 32, 8, 3), mxfp4=(128, 32, 32, 8, 3))
+TILES = {  # D=128, per pair: three stages of four bf16 key tiles need 256 KiB of shared memory (H200: 227)
+    128: Tiles(_FWD_TILES, _FWD_TILES_SM100, (32, 128, 8, 3), (32, 64, 8, 1), (128, 64, 8, 3), 2),
+    64: Tiles(_FWD_TILES, _FWD_TILES_SM100, (32, 128, 8, 3), (32, 64, 4, 1), (128, 64, 8, 3), 3),
+}
+
+
+class Variant(NamedTuple):
+    """What computes one call (see variant())."""
+    recipe: Recipe
+    backend: str  # the forward's: "wgmma", "dot_scaled" or "gluon" (one backward serves all three)
+    refusal: Optional[str] = None  # why the requested backend cannot compute the call (ValueError)
+    kernel: object = None  # the tl forward kernel (None: Gluon's)
+    tma: bool = False  # the forward reads Q, K, V through TMA descriptors (dot_scaled on Blackwell)
+    k_format: str = None  # K as the tl forward reads it (5a): bf16, e4m3, fp4_decoded, fp4_packed
+    copies: bool = False  # the safeguard's per-token copies of K and V are made (_token_copies)
+    fwd: tuple = None  # (BLOCK_M, BLOCK_N, MASKED_N, num_warps, num_stages) of the forward
+    dkdv: tuple = None  # (BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel ...
+    dq: tuple = None  # ... and of the dQ kernel
+    modes: tuple = None  # the safeguard of the forward, dK/dV and dQ: "off", "tile" or "pair"
+
+
+def _tile_safeguard(plan: Plan, block_tokens: int, *blocks: int) -> bool:
+    """Whether kernels with these tile sizes can take the causal safeguard per tile instead of per
+    pair. Tiles are aligned to the document start; when B_t is a multiple of every tile size and
+    every causal shift is a multiple of B_t (always in self-attention), each query tile and each key
+    tile lies inside one key block. A tile pair then either shares its block -- every visible pair
+    straddles, and the whole tile uses the per-token copies -- or lies in an earlier block, safe
+    with the block scales. This is what makes B_t=128 cheap: one MMA per masked tile."""
+    return block_tokens % max(blocks) == 0 and plan.shift_gcd % block_tokens == 0
+
+
+def _is_blackwell(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 10
+
+
+# The Hopper-specific forward (backend="gluon"): flamia_hopper.py, an FA3-style warp-specialized
+# Gluon kernel (TMA producer warp, two consumer warpgroups, async wgmma) on the same operands, with
+# the same function and safeguard, for bf16 and mxfp8 on sm_90 with triton 3.6, in 128 x 128 tiles.
+# It is optional: where it is absent or cannot run, backend="gluon" is refused with the reason,
+# never replaced, and the default takes the tl forward, saying why once.
+_GLUON_IMPORT_ERROR = None
+try:
+    import flamia_hopper
+except Exception as e:  # absent, or this triton's Gluon API differs from the one it was written for
+    flamia_hopper = None
+    _GLUON_IMPORT_ERROR = f"flamia_hopper.py not importable: {type(e).__name__}: {e}"
+_SAID = set()  # reasons already given for not taking the Gluon forward by default
+
+
+@functools.lru_cache(maxsize=None)  # facts of the process: the file, triton, the GPU
+def gluon_unavailable_reason():
+    """None where backend="gluon" runs (flamia_hopper.py, triton 3.6, sm_90), else why not."""
+    if flamia_hopper is None:
+        return _GLUON_IMPORT_ERROR
+    if not getattr(flamia_hopper, "PADDED_EXPONENTS", False):  # never read another layout
+        return ("flamia_hopper.py reads E8M0 rows as (H, T), token-indexed; the Operands' rows "
+                "are in the padded token layout (padded_columns)")
+    return flamia_hopper.unavailable_reason()
+
+
+def _backend_refusal(r: Recipe, backend: Optional[str]) -> Optional[str]:
+    """Why `backend` can compute no call of recipe r here (None: it may compute some)."""
+    if backend == "gluon" and gluon_unavailable_reason():
+        return f"backend='gluon' is not available here: {gluon_unavailable_reason()}"
+    if backend == "dot_scaled" and not r.dot_scaled:
+        return (f"backend='dot_scaled' is for recipe='mxfp8' or 'mxfp4', got recipe={r.name!r} "
+                f"(tl.dot_scaled takes no E4M3 block scales)")
+    return None
+
+
+def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool = True,
+            safeguard: bool = True, backend: Optional[str] = None) -> Variant:
+    """The Variant of a call on q-like x (its GPU, dtype and head dim). backend=None chooses: on
+    Blackwell (sm_100+) dot_scaled for the MX recipes (E8M0 scales in the tensor cores; nvfp4's E4M3
+    block scales are no tl.dot_scaled input); on Hopper the Gluon forward for mxfp8 with block_tokens
+    a multiple of 128 at head_dim 128, where it measured fastest on the H200, if it can compute the
+    call (else the tl forward, saying why once); wgmma otherwise. Without a plan the safeguard modes,
+    and the refusals that depend on them, are not known (None)."""
+    r, D = _RECIPES[recipe], x.shape[-1]
+    row = TILES.get(D)
+    if row is None:
+        raise ValueError(f"head_dim {D} has no tile configurations: add a row to flamia.TILES "
+                         f"(rows: {sorted(TILES)})")
+    copies = _token_copies(r, causal, safeguard, block_tokens)
+    mode = lambda blocks: (None if plan is None else "off" if not copies else
+                           "tile" if _tile_safeguard(plan, block_tokens, *blocks) else "pair")
+    gluon_tiles = lambda: (flamia_hopper.BLOCK_M, 128, 128, None, None)  # its own warps, stages
+    # None when the Gluon forward can compute this call (as far as the plan tells), else why not
+    gluon_refusal = lambda: gluon_unavailable_reason() or (plan and flamia_hopper.unsupported_reason(
+        recipe, x.dtype, mode(gluon_tiles()[:2])))
+    blackwell = _is_blackwell(x)
+    refusal = _backend_refusal(r, backend)
+    if backend is None:
+        backend = "dot_scaled" if r.dot_scaled and blackwell else "wgmma"
+        if (recipe == "mxfp8" and block_tokens % 128 == 0 and D == 128 and x.is_cuda
+                and torch.cuda.get_device_capability(x.device)[0] == 9):
+            why = gluon_refusal()
+            if why is None:
+                backend = "gluon"
+            elif why not in _SAID:
+                _SAID.add(why)
+                warnings.warn(f"FLAMIA: not using the Gluon forward (the fastest on this GPU for "
+                              f"this configuration): {why}; the tl forward computes the same function")
+    elif backend == "gluon" and refusal is None and gluon_refusal():
+        refusal = f"backend='gluon' cannot compute this call: {gluon_refusal()}; use backend='wgmma'"
+    if refusal:
+        return Variant(r, backend, refusal)
+    tma = backend == "dot_scaled" and blackwell
+    fwd = gluon_tiles() if backend == "gluon" else (row.fwd_sm100 if tma else row.fwd)[recipe]
+    dkdv, dq = (row.dkdv_sm100 if blackwell else row.dkdv), row.dq
+    modes = (mode(fwd[:3]), mode(dkdv[:2]), mode(dq[:2]))
+    if modes[2] == "pair":
+        dq = (*dq[:3], row.dq_pair_stages)
+    k_format = ("bf16" if not r.quantized else "e4m3" if not r.k_fp4 else
+                "fp4_packed" if backend == "dot_scaled" else "fp4_decoded")
+    kernel = None if backend == "gluon" else _attn_fwd
+    return Variant(r, backend, None, kernel, tma, k_format, copies, fwd, dkdv, dq, modes)
+
+
+# ---------------------------------------------------------------------------------------------
 # 5a. Forward kernel
 # ---------------------------------------------------------------------------------------------
 # One program = one query tile (BLOCK_M rows of one document, from the Plan) x one query head.
@@ -1329,41 +1476,6 @@ def _attn_fwd(
     tl.store(LSE + h * T_Q + offs_m, lse, mask=qmask)
 
 
-def _fwd_config(D: int, recipe: str, blackwell: bool = False):
-    """(BLOCK_M, BLOCK_N, MASKED_N, num_warps, num_stages) of the forward (`bench.py --tune` on the
-    H200, D=128): fp8 wants long key tiles (P V contracts over BLOCK_N) and one warpgroup per 64
-    query rows; narrow diagonal tiles help packed documents. The FP4 emulation (bf16 Q K^T, fp8 P V)
-    is not tuned for speed; D=64 reuses D=128's choice. Blackwell (tl.dot_scaled on sm_100+):
-    Triton lowers tl.dot_scaled to the MX block-scaled MMA only for >= 128 query rows (with 64 it
-    decomposes Q K^T into a bf16 MMA on K upcast in registers), and these are the widest key tiles
-    with which 128 rows and 8 warps compile without spills (`bench.py --sm100`; never timed)."""
-    if blackwell and recipe == "mxfp8":
-        return 128, 128, 32, 8, 3
-    if blackwell and recipe == "mxfp4":
-        return 128, 32, 32, 8, 3
-    if recipe == "mxfp8":
-        return 64, 128, 32, 4, 3
-    if _RECIPES[recipe].k_fp4:
-        return 128, 64, 64, 8, 3
-    return 128, 128, 64, 8, 3
-
-
-def _tile_safeguard(plan: Plan, block_tokens: int, *blocks: int) -> bool:
-    """Whether kernels with these tile sizes can take the causal safeguard per tile instead of per
-    pair. Tiles are aligned to the document start; when B_t is a multiple of every tile size and
-    every causal shift is a multiple of B_t (always in self-attention), each query tile and each key
-    tile lies inside one key block. A tile pair then either shares its block -- every visible pair
-    straddles, and the whole tile uses the per-token copies -- or lies in an earlier block, safe
-    with the block scales. This is what makes B_t=128 cheap: one MMA per masked tile."""
-    return block_tokens % max(blocks) == 0 and plan.shift_gcd % block_tokens == 0
-
-
-def _safeguard_mode(plan, recipe, causal, safeguard, block_tokens, *blocks) -> str:
-    if not _token_copies(recipe, causal, safeguard, block_tokens):
-        return "off"
-    return "tile" if _tile_safeguard(plan, block_tokens, *blocks) else "pair"
-
-
 def _decode_fp4(ops, dtype: torch.dtype) -> torch.Tensor:
     """FP4 K as code x block scale in `dtype` (exact: at most 6 significant bits), without the
     per-token second level, which the kernels apply as an fp32 factor. fp16 is clamped to its range
@@ -1378,94 +1490,55 @@ def _descriptor_scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _attn_forward(q, k, v, ops, plan: Plan, *, causal, softmax_scale, recipe, block_tokens,
-                  safeguard, backend):
+def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_scale, block_tokens):
     """Launch the forward on the quantized operands `ops` (section 6's Operands; unused for bf16).
     Returns (o, lse)."""
     Tq, H, D = q.shape
     Tk, HK = k.shape[:2]
-    r = _RECIPES[recipe]
     empty_rows = plan.rows_without_keys[causal]
     o = (torch.zeros if empty_rows else torch.empty)(Tq, H, D, dtype=q.dtype, device=q.device)
     lse = (torch.full((H, Tq), float("-inf"), device=q.device) if empty_rows
            else torch.empty(H, Tq, device=q.device))
-    if backend == "gluon":
-        return _attn_forward_gluon(q, k, v, ops, plan, o, lse, causal=causal,
-                                   softmax_scale=softmax_scale, recipe=recipe,
-                                   block_tokens=block_tokens, safeguard=safeguard)
-    dot_scaled = backend == "dot_scaled"
-    blackwell = dot_scaled and _is_blackwell(q)
-    BLOCK_M, BLOCK_N, MASKED_N, warps, stages = _fwd_config(D, recipe, blackwell)
-    mode = _safeguard_mode(plan, r, causal, safeguard, block_tokens, BLOCK_M, BLOCK_N, MASKED_N)
-    if not r.quantized:
-        k_format, strides_v = "bf16", (D, 1, HK * D)  # (T, H, D)
+    if var.backend == "gluon":
+        return _attn_forward_gluon(q, k, v, ops, plan, o, lse, var, causal=causal,
+                                   softmax_scale=softmax_scale, block_tokens=block_tokens)
+    BLOCK_M, BLOCK_N, MASKED_N, warps, stages = var.fwd
+    if not var.recipe.quantized:
+        strides_v = (D, 1, HK * D)  # (T, H, D)
         q, k, v = (x.contiguous() for x in (q, k, v))
         unused = torch.empty(0, device=q.device)
         operands = (q, unused, k, unused, unused, v, unused, k, unused, v, unused)
     else:
-        k_data, k_block = ops.k, ops.k_block
-        if r.k_fp4 and dot_scaled:
-            k_format = "fp4_packed"
-        elif r.k_fp4:
-            k_format, k_data = "fp4_decoded", _decode_fp4(ops, torch.bfloat16)
-        else:
-            k_format = "e4m3"
+        k_data = _decode_fp4(ops, torch.bfloat16) if var.k_format == "fp4_decoded" else ops.k
         # Per-token copies where the safeguard is on; FP4 K is per token, its own copy.
-        k_tok = (ops.k_tok, ops.k_tok_exp) if mode != "off" and not r.k_fp4 else (k_data, ops.k_exp)
-        v_tok = (ops.v_tok_t, ops.v_tok_exp) if mode != "off" else (ops.v_t, ops.v_exp)
-        operands = (ops.q, ops.q_exp, k_data, k_block, ops.k_exp, ops.v_t, ops.v_exp,
+        k_tok = ((ops.k_tok, ops.k_tok_exp) if var.copies and not var.recipe.k_fp4
+                 else (k_data, ops.k_exp))
+        v_tok = (ops.v_tok_t, ops.v_tok_exp) if var.copies else (ops.v_t, ops.v_exp)
+        operands = (ops.q, ops.q_exp, k_data, ops.k_block, ops.k_exp, ops.v_t, ops.v_exp,
                     *k_tok, *v_tok)
         strides_v = (D * plan.padded_k, plan.padded_k, 1)  # (H, D, T_pad) token-transposed
     tiles = plan.tiles(BLOCK_M, "q", causal)
-    if blackwell and q.is_cuda:  # the kernel writes its TMA descriptors to global scratch
+    if var.tma and q.is_cuda:  # the kernel writes its TMA descriptors to global scratch
         triton.set_allocator(_descriptor_scratch)
     if tiles.shape[0] > 0:
-        _attn_fwd[(tiles.shape[0], H)](
+        var.kernel[(tiles.shape[0], H)](
             *operands, o, lse, tiles, *strides_v, softmax_scale * 1.4426950408889634,  # log2(e)
             Tq, Tk, H, HK, plan.padded_q, plan.padded_k, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            MASKED_N=MASKED_N, BLOCK_TOKENS=block_tokens, CAUSAL=causal, K_FORMAT=k_format,
-            SAFEGUARD=mode, DOT_SCALED=dot_scaled, TMA=blackwell, num_warps=warps,
-            num_stages=stages)
+            MASKED_N=MASKED_N, BLOCK_TOKENS=block_tokens, CAUSAL=causal, K_FORMAT=var.k_format,
+            SAFEGUARD=var.modes[0], DOT_SCALED=var.backend == "dot_scaled", TMA=var.tma,
+            num_warps=warps, num_stages=stages)
     return o, lse
 
 
-# The Hopper-specific forward (backend="gluon"): flamia_hopper.py, an FA3-style warp-specialized
-# Gluon kernel (TMA producer warp, two consumer warpgroups, async wgmma) on the same operands, with
-# the same function and safeguard, for bf16 and mxfp8 on sm_90 with triton 3.6. It is optional:
-# where it is absent or cannot run, backend="gluon" is refused with the reason, never replaced, and
-# the default (_default_backend) takes the tl forward, saying why once.
-_GLUON_IMPORT_ERROR = None
-try:
-    import flamia_hopper
-except Exception as e:  # absent, or this triton's Gluon API differs from the one it was written for
-    flamia_hopper = None
-    _GLUON_IMPORT_ERROR = f"flamia_hopper.py not importable: {type(e).__name__}: {e}"
-
-
-@functools.lru_cache(maxsize=None)  # facts of the process: the file, triton, the GPU
-def gluon_unavailable_reason():
-    """None where backend="gluon" runs (flamia_hopper.py, triton 3.6, sm_90), else why not."""
-    if flamia_hopper is None:
-        return _GLUON_IMPORT_ERROR
-    if not getattr(flamia_hopper, "PADDED_EXPONENTS", False):  # never read another layout
-        return ("flamia_hopper.py reads E8M0 rows as (H, T), token-indexed; the Operands' rows "
-                "are in the padded token layout (padded_columns)")
-    return flamia_hopper.unavailable_reason()
-
-
-def _attn_forward_gluon(q, k, v, ops, plan, o, lse, *, causal, softmax_scale, recipe, block_tokens,
-                        safeguard):
-    mode = _safeguard_mode(plan, _RECIPES[recipe], causal, safeguard, block_tokens,
-                           flamia_hopper.BLOCK_M, 128)
-    why = flamia_hopper.unsupported_reason(recipe, q.dtype, mode)
-    if why:
-        raise ValueError(f"backend='gluon' cannot compute this call: {why}; use backend='wgmma'")
-    tiles = plan.tiles(flamia_hopper.BLOCK_M, "q", causal)
-    kw = dict(softmax_scale=softmax_scale, causal=causal, recipe=recipe, block_tokens=block_tokens)
-    if recipe == "bf16":
+def _attn_forward_gluon(q, k, v, ops, plan, o, lse, var, *, causal, softmax_scale, block_tokens):
+    tiles = plan.tiles(var.fwd[0], "q", causal)
+    kw = dict(softmax_scale=softmax_scale, causal=causal, recipe=var.recipe.name,
+              block_tokens=block_tokens)
+    if not var.recipe.quantized:
         q, k, v = (x.contiguous() for x in (q, k, v))
         return flamia_hopper.attn_fwd(q, None, k, None, v, None, o, lse, tiles, **kw)
-    per_token = (ops.k_tok, ops.k_tok_exp, ops.v_tok_t, ops.v_tok_exp) if mode == "tile" else None
+    per_token = ((ops.k_tok, ops.k_tok_exp, ops.v_tok_t, ops.v_tok_exp) if var.modes[0] == "tile"
+                 else None)
     # v_len: the token-transposed V ends at the last document's padding; the tail of the buffer is
     # never written, so the kernel's TMA boxes must read zeros (out of bounds) there, not garbage.
     return flamia_hopper.attn_fwd(ops.q, ops.q_exp, ops.k, ops.k_exp, ops.v_t, ops.v_exp, o, lse,
@@ -1755,27 +1828,12 @@ def _attn_bwd_dq(
     tl.store(DQ + ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=qmask[:, None])
 
 
-def _bwd_config(D: int, blackwell: bool = False):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel (query x key tiles) and of the
-    dQ kernel (`bench.py --tune` on the H200, D=128): bigger query tiles in dK/dV spill registers.
-    On Blackwell (sm_100+) the H200's dK/dV tiles spill (tcgen05's software pipeline keeps more
-    state live): 64 keys, one stage, 4 warps at D=64 (`bench.py --sm100`; tcgen05 needs >= 64
-    rows)."""
-    if blackwell:
-        return (32, 64, 8 if D > 64 else 4, 1), (128, 64, 8, 3)
-    return (32, 128, 8, 3), (128, 64, 8, 3)
-
-
-def _is_blackwell(x: torch.Tensor) -> bool:
-    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 10
-
-
-def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, *, causal, softmax_scale, recipe,
-                   block_tokens, safeguard):
+def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal, softmax_scale,
+                   block_tokens):
     """dq, dk, dv from the forward's quantized operands `ops` (unused for bf16)."""
     Tq, H, D = q.shape
     Tk, HK = k.shape[:2]
-    r = _RECIPES[recipe]
+    r = var.recipe
     do = do.contiguous()
     delta = _delta(o, do)  # (H, Tq): rowsum(P * dP) = dO . O
     k_scale = delta  # unused unless K_SCALED
@@ -1787,9 +1845,8 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, *, causal, softmax_scal
             k, k_scale = _decode_fp4(ops, q.dtype), ops.k_exp
         else:
             k = deq(ops.k, ops.k_exp, "k")
-        copies = _token_copies(r, causal, safeguard, block_tokens)
-        ks = deq(ops.k_tok, ops.k_tok_exp, "k") if copies and not r.k_fp4 else k
-        vs = deq(None, ops.v_tok_exp, "k", ops.v_tok_t) if copies else v
+        ks = deq(ops.k_tok, ops.k_tok_exp, "k") if var.copies and not r.k_fp4 else k
+        vs = deq(None, ops.v_tok_exp, "k", ops.v_tok_t) if var.copies else v
     else:
         q, k, v = (x.contiguous() for x in (q, k, v))
         ks, vs = k, v
@@ -1798,11 +1855,7 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, *, causal, softmax_scal
                                                                    device=q.device)
     init = torch.zeros if plan.rows_without_keys[causal] else torch.empty
     dq = init(Tq, H, D, dtype=q.dtype, device=q.device)
-    (BM1, BN1, w1, s1), (BM2, BN2, w2, s2) = _bwd_config(D, _is_blackwell(q))
-    mode_dkdv = _safeguard_mode(plan, r, causal, safeguard, block_tokens, BM1, BN1)
-    mode_dq = _safeguard_mode(plan, r, causal, safeguard, block_tokens, BM2, BN2)
-    if mode_dq == "pair" and D > 64:  # the per-pair dQ loop streams K, V and their copies: three
-        s2 = 2  # stages of four bf16 key tiles need 256 KiB of shared memory (H200: 227)
+    (BM1, BN1, w1, s1), (BM2, BN2, w2, s2), (_, mode_dkdv, mode_dq) = var.dkdv, var.dq, var.modes
     operands = (q, k, v, ks, vs, k_scale, do, lse, delta)
     meta = dict(D=D, BLOCK_TOKENS=block_tokens, CAUSAL=causal, K_SCALED=r.k_fp4)
     tiles = plan.tiles(BN1, "k", causal)
@@ -1935,20 +1988,20 @@ def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: t
             check_finite: bool) -> list[torch.Tensor]:
     plan = _plan_for(cu_seqlens_q, cu_seqlens_k, dense)
     _check_plan(plan, q.shape[0], k.shape[0])
-    backend = backend or _default_backend(q, recipe, block_tokens, plan, causal, safeguard)
+    var = variant(q, recipe, block_tokens, plan, causal, safeguard, backend)
     if check_finite:
         _check_finite(q, k, v)
-    r = _RECIPES[recipe]
-    copies = _token_copies(r, causal, safeguard, block_tokens)
+    if var.refusal:
+        raise ValueError(var.refusal)
+    r = var.recipe
     if r.quantized:
-        ops = _quantize_operands(q, k, v, plan, r, block_tokens, copies)
+        ops = _quantize_operands(q, k, v, plan, r, block_tokens, var.copies)
     else:
-        ops = _empty_operands(_operand_layout(r, copies, q.shape[0], k.shape[0], q.shape[1],
+        ops = _empty_operands(_operand_layout(r, var.copies, q.shape[0], k.shape[0], q.shape[1],
                                               k.shape[1], q.shape[2], plan.padded_q,
                                               plan.padded_k), q)
-    o, lse = _attn_forward(q, k, v, ops, plan, causal=causal, softmax_scale=softmax_scale,
-                           recipe=recipe, block_tokens=block_tokens, safeguard=safeguard,
-                           backend=backend)
+    o, lse = _attn_forward(q, k, v, ops, plan, var, causal=causal, softmax_scale=softmax_scale,
+                           block_tokens=block_tokens)
     return [o, lse, *ops]
 
 
@@ -1973,9 +2026,10 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             cu_seqlens_k: torch.Tensor, dense: list[int], causal: bool, softmax_scale: float,
             recipe: str, block_tokens: int, safeguard: bool) -> list[torch.Tensor]:
     plan = _plan_for(cu_seqlens_q, cu_seqlens_k, dense)
-    return list(_attn_backward(do, q, k, v, o, lse, Operands(*ops), plan, causal=causal,
-                               softmax_scale=softmax_scale, recipe=recipe,
-                               block_tokens=block_tokens, safeguard=safeguard))
+    # the backward's kernels and tiles depend on the GPU, not on the forward's backend
+    var = variant(q, recipe, block_tokens, plan, causal, safeguard, "wgmma")
+    return list(_attn_backward(do, q, k, v, o, lse, Operands(*ops), plan, var, causal=causal,
+                               softmax_scale=softmax_scale, block_tokens=block_tokens))
 
 
 _bwd_op = torch.library.custom_op("flamia::bwd", _bwd_impl, mutates_args=(),
@@ -2045,55 +2099,16 @@ def _check_qkv(q, k, v, dims: int) -> None:
                          f"of k/v heads ({k.shape[-2]}) (GQA/MQA)")
 
 
-def _default_backend(x: torch.Tensor, recipe: str, block_tokens: int = 1, plan: Plan = None,
-                     causal: bool = True, safeguard: bool = True) -> str:
-    """backend=None, resolved per call (the plan decides whether the Gluon kernel can compute it).
-    Blackwell (sm_100+) applies E8M0 scales in its tensor cores: dot_scaled for the MX recipes
-    (nvfp4's E4M3 block scales are no tl.dot_scaled input: it stays the exact bf16 emulation).
-    Hopper: the Gluon forward where it measured fastest on the H200 (mxfp8 with block_tokens a
-    multiple of 128 at head_dim 128, README); wgmma (tl) otherwise, and where Gluon cannot run or
-    compute the call, which is said once."""
-    if _RECIPES[recipe].dot_scaled and _is_blackwell(x):
-        return "dot_scaled"
-    hopper = x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9
-    if hopper and recipe == "mxfp8" and block_tokens % 128 == 0 and x.shape[-1] == 128:
-        why = _gluon_refusal(x, recipe, block_tokens, plan, causal, safeguard)
-        if why is None:
-            return "gluon"
-        if why not in _SAID:
-            _SAID.add(why)
-            warnings.warn(f"FLAMIA: not using the Gluon forward (the fastest on this GPU for this "
-                          f"configuration): {why}; the tl forward computes the same function")
-    return "wgmma"
-
-
-_SAID = set()  # reasons already given for not taking the Gluon forward by default
-
-
-def _gluon_refusal(x, recipe, block_tokens, plan, causal, safeguard):
-    """None when the Gluon forward can compute this call, else why not."""
-    why = gluon_unavailable_reason()
-    if why is None and plan is not None:
-        mode = _safeguard_mode(plan, _RECIPES[recipe], causal, safeguard, block_tokens,
-                               flamia_hopper.BLOCK_M, 128)
-        why = flamia_hopper.unsupported_reason(recipe, x.dtype, mode)
-    return why
-
-
-def _check_options(recipe, block_tokens, backend, x) -> None:
-    """Validates the FLAMIA options (backend None: chosen per call by _default_backend)."""
+def _check_options(recipe, block_tokens, backend) -> None:
+    """Validates the FLAMIA options before a call (backend None: chosen per call by variant())."""
     if recipe not in _RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
     _check_block_tokens(block_tokens)
-    if backend is None:
-        return
-    if backend not in BACKENDS:
+    if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
-    if backend == "gluon" and gluon_unavailable_reason():
-        raise ValueError(f"backend='gluon' is not available here: {gluon_unavailable_reason()}")
-    if backend == "dot_scaled" and not _RECIPES[recipe].dot_scaled:
-        raise ValueError(f"backend='dot_scaled' is for recipe='mxfp8' or 'mxfp4', got "
-                         f"recipe={recipe!r} (tl.dot_scaled takes no E4M3 block scales)")
+    why = _backend_refusal(_RECIPES[recipe], backend)
+    if why:
+        raise ValueError(why)
 
 
 def _attention(q, k, v, cu_q, cu_k, dense, causal, softmax_scale, recipe, block_tokens, safeguard,
@@ -2141,7 +2156,7 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     Returns out (total_q, H, D) [and lse (H, total_q), natural log, not differentiable].
     """
     _check_qkv(q, k, v, 3)
-    _check_options(recipe, block_tokens, backend, q)
+    _check_options(recipe, block_tokens, backend)
     if plan is not None:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a flamia.Plan (from flamia_plan), got "
@@ -2175,7 +2190,7 @@ def flamia_attn_func(q, k, v, *, causal=True, softmax_scale=None, recipe="mxfp8"
     """FLAMIA attention on (batch, seqlen, heads, head_dim) tensors; see flamia_attn_varlen_func.
     Returns out (B, Sq, H, D) [and lse (B, H, Sq)]. No host sync (the Plan comes from shapes)."""
     _check_qkv(q, k, v, 4)
-    _check_options(recipe, block_tokens, backend, q)
+    _check_options(recipe, block_tokens, backend)
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and "
                          f"{k.shape[0]}")
@@ -2244,7 +2259,7 @@ def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BL
     attention_mask, dropout > 0, sliding windows, logit softcapping, query length != key length (a
     KV cache; FLAMIA is for training and full-sequence forwards). Non-causal modules (is_causal
     False) get per-document full attention. GQA is native; scaling is the softmax scale."""
-    _check_options(recipe, block_tokens, options.get("backend"), None)
+    _check_options(recipe, block_tokens, options.get("backend"))
 
     def flamia_hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                             **kwargs):

@@ -15,6 +15,7 @@ import csv
 import functools
 import re
 import math
+import types
 import warnings
 
 import pytest
@@ -1233,38 +1234,40 @@ def test_default_backend_per_recipe_and_gpu(monkeypatch):
     """backend=None picks tl.dot_scaled on Blackwell (sm_100+) for the MX recipes only: nvfp4's E4M3
     block scales are not a tl.dot_scaled input, so it keeps the emulation there (it used to default to
     dot_scaled on Blackwell and then refuse it); Hopper and the CPU take the wgmma path."""
-    class FakeCuda:  # only what _default_backend reads
-        is_cuda, device = True, "cuda:0"
+    class FakeCuda:  # only what flamia.variant reads
+        is_cuda, device, shape, dtype = True, "cuda:0", (8, 4, 128), BF16
     for major, expect in ((9, {}), (10, {"mxfp8": "dot_scaled", "mxfp4": "dot_scaled"})):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, major=major: (major, 0))
         for recipe in flamia.RECIPES:
-            assert flamia._default_backend(FakeCuda(), recipe) == expect.get(recipe, "wgmma"), (major, recipe)
-    assert flamia._default_backend(torch.zeros(1), "mxfp8") == "wgmma"
+            assert flamia.variant(FakeCuda(), recipe, 1).backend == expect.get(recipe, "wgmma"), (major, recipe)
+    assert flamia.variant(torch.zeros(1, 1, 64), "mxfp8", 1).backend == "wgmma"
 
 
 def test_default_backend_gluon_on_hopper(monkeypatch):
     """On Hopper backend=None takes the Gluon forward where it measured fastest (mxfp8, block_tokens
     a multiple of 128, head_dim 128) if it can compute the call; where it cannot (unavailable, or a
     configuration it lacks), the tl forward, saying why ONCE per reason -- never silently."""
-    class FakeHopper:  # what _default_backend reads
+    class FakeHopper:  # what flamia.variant reads
         is_cuda, device, shape, dtype = True, "cuda:0", (8, 4, 128), BF16
     class FakeD64(FakeHopper):
         shape = (8, 4, 64)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(flamia, "_SAID", set())
     refusal = [None]
-    monkeypatch.setattr(flamia, "_gluon_refusal", lambda *a: refusal[0])
-    assert flamia._default_backend(FakeHopper(), "mxfp8", 128) == "gluon"
-    assert flamia._default_backend(FakeHopper(), "mxfp8", 256) == "gluon"
+    monkeypatch.setattr(flamia, "gluon_unavailable_reason", lambda: refusal[0])
+    monkeypatch.setattr(flamia, "flamia_hopper", flamia.flamia_hopper or types.SimpleNamespace(BLOCK_M=128))
+    backend = lambda x, recipe, bt: flamia.variant(x, recipe, bt).backend  # no plan: what it decides alone
+    assert backend(FakeHopper(), "mxfp8", 128) == "gluon"
+    assert backend(FakeHopper(), "mxfp8", 256) == "gluon"
     for x, recipe, bt in ((FakeHopper(), "mxfp8", 1), (FakeHopper(), "mxfp8", 64), (FakeD64(), "mxfp8", 128),
                           (FakeHopper(), "bf16", 128), (FakeHopper(), "nvfp4", 128)):
-        assert flamia._default_backend(x, recipe, bt) == "wgmma", (x.shape, recipe, bt)
+        assert backend(x, recipe, bt) == "wgmma", (x.shape, recipe, bt)
     refusal[0] = "flamia_hopper.py not importable: ImportError: gone"
     with pytest.warns(UserWarning, match="not using the Gluon forward.*not importable"):
-        assert flamia._default_backend(FakeHopper(), "mxfp8", 128) == "wgmma"
+        assert backend(FakeHopper(), "mxfp8", 128) == "wgmma"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same reason again: said once already
-        assert flamia._default_backend(FakeHopper(), "mxfp8", 128) == "wgmma"
+        assert backend(FakeHopper(), "mxfp8", 128) == "wgmma"
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4"])
