@@ -1030,6 +1030,7 @@ class Variant(NamedTuple):
     dkdv: tuple = None  # (BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel ...
     dq: tuple = None  # ... and of the dQ kernel
     modes: tuple = None  # the safeguard of the forward, dK/dV and dQ: "off", "tile" or "pair"
+    bwd: str = "tl"  # the backward's kernels: "tl" (deterministic) or "gluon" (dQ by fp32 atomics)
 
 
 def _tile_safeguard(plan: Plan, block_tokens: int, *blocks: int) -> bool:
@@ -1082,13 +1083,17 @@ def _backend_refusal(r: Recipe, backend: Optional[str]) -> Optional[str]:
 
 
 def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool = True,
-            safeguard: bool = True, backend: Optional[str] = None) -> Variant:
+            safeguard: bool = True, backend: Optional[str] = None,
+            deterministic: bool = False) -> Variant:
     """The Variant of a call on q-like x (its GPU, dtype and head dim). backend=None chooses: on
     Blackwell (sm_100+) dot_scaled for the MX recipes (E8M0 scales in the tensor cores; nvfp4's E4M3
     block scales are no tl.dot_scaled input); on Hopper the Gluon forward for mxfp8 with block_tokens
     a multiple of 128 at head_dim 128, where it measured fastest on the H200, if it can compute the
-    call (else the tl forward, saying why once); wgmma otherwise. Without a plan the safeguard modes,
-    and the refusals that depend on them, are not known (None)."""
+    call (else the tl forward, saying why once); wgmma otherwise. The backward: Gluon's (64-query x
+    128-key tiles, dQ by atomics) with backend="gluon", and by default at head_dim 64 on Hopper
+    where it measured faster than the tl kernels (at 128 it spills registers and is slower), when it
+    can compute the call; the tl kernels otherwise and with deterministic=True. Without a plan the
+    safeguard modes, and the refusals that depend on them, are not known (None)."""
     r, D = _RECIPES[recipe], x.shape[-1]
     row = TILES.get(D)
     if row is None:
@@ -1103,6 +1108,7 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
         recipe, x.dtype, mode(gluon_tiles()[:2])))
     blackwell = _is_blackwell(x)
     refusal = _backend_refusal(r, backend)
+    backend_requested = backend
     if backend is None:
         backend = "dot_scaled" if r.dot_scaled and blackwell else "wgmma"
         if (recipe == "mxfp8" and block_tokens % 128 == 0 and D == 128 and x.is_cuda
@@ -1126,8 +1132,14 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
         dq = (*dq[:3], row.dq_pair_stages)
     k_format = ("bf16" if not r.quantized else "e4m3" if not r.k_fp4 else
                 "fp4_packed" if backend == "dot_scaled" else "fp4_decoded")
+    bwd = "tl"
+    if not deterministic and (backend == "gluon" or (backend_requested is None and D == 64)):
+        gluon_dkdv = (64, flamia_hopper.BWD_BLOCK_N, None, None) if flamia_hopper else None
+        if gluon_unavailable_reason() is None and plan is not None and flamia_hopper.unsupported_reason(
+                recipe, x.dtype, mode(gluon_dkdv[:2])) is None:
+            bwd, dkdv, modes = "gluon", gluon_dkdv, (modes[0], mode(gluon_dkdv[:2]), None)
     kernel = None if backend == "gluon" else _attn_fwd
-    return Variant(r, backend, None, kernel, tma, k_format, copies, fwd, dkdv, dq, modes)
+    return Variant(r, backend, None, kernel, tma, k_format, copies, fwd, dkdv, dq, modes, bwd)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1853,6 +1865,12 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
     init = torch.zeros if plan.keys_without_rows else torch.empty
     dk, dv = init(Tk, HK, D, dtype=q.dtype, device=q.device), init(Tk, HK, D, dtype=q.dtype,
                                                                    device=q.device)
+    if var.bwd == "gluon":  # flamia_hopper.py's backward: the same function, dQ by fp32 atomics
+        tiles = plan.tiles(flamia_hopper.BWD_BLOCK_N, "k", causal)
+        dq = flamia_hopper.attn_bwd(q, k, v, ks, vs, do, lse, delta, dk, dv, tiles,
+                                    softmax_scale=softmax_scale, causal=causal,
+                                    block_tokens=block_tokens, tile_safeguard=var.modes[1] == "tile")
+        return dq, dk, dv
     init = torch.zeros if plan.rows_without_keys[causal] else torch.empty
     dq = init(Tq, H, D, dtype=q.dtype, device=q.device)
     (BM1, BN1, w1, s1), (BM2, BN2, w2, s2), (_, mode_dkdv, mode_dq) = var.dkdv, var.dq, var.modes
@@ -2024,10 +2042,10 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale, recipe,
 def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
             lse: torch.Tensor, ops: list[torch.Tensor], cu_seqlens_q: torch.Tensor,
             cu_seqlens_k: torch.Tensor, dense: list[int], causal: bool, softmax_scale: float,
-            recipe: str, block_tokens: int, safeguard: bool) -> list[torch.Tensor]:
+            recipe: str, block_tokens: int, safeguard: bool, backend: Optional[str],
+            deterministic: bool) -> list[torch.Tensor]:
     plan = _plan_for(cu_seqlens_q, cu_seqlens_k, dense)
-    # the backward's kernels and tiles depend on the GPU, not on the forward's backend
-    var = variant(q, recipe, block_tokens, plan, causal, safeguard, "wgmma")
+    var = variant(q, recipe, block_tokens, plan, causal, safeguard, backend, deterministic)
     return list(_attn_backward(do, q, k, v, o, lse, Operands(*ops), plan, var, causal=causal,
                                softmax_scale=softmax_scale, block_tokens=block_tokens))
 
@@ -2038,7 +2056,7 @@ _bwd_op = torch.library.custom_op("flamia::bwd", _bwd_impl, mutates_args=(),
 
 @_bwd_op.register_fake
 def _(do, q, k, v, o, lse, ops, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale, recipe,
-      block_tokens, safeguard):
+      block_tokens, safeguard, backend, deterministic):
     return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
 
 
@@ -2052,13 +2070,13 @@ def _op(custom_op, impl):
 class _FlamiaAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, dense, causal, scale, recipe, block_tokens, safeguard,
-                backend, check_finite):
+                backend, check_finite, deterministic):
         o, lse, *ops = _op(_fwd_op, _fwd_impl)(q, k, v, cu_q, cu_k, dense, causal, scale, recipe,
                                                block_tokens, safeguard, backend, check_finite)
         # The quantized recipes' backward needs only the quantized operands (half the bytes).
         keep = (q.new_empty(0),) * 3 if _RECIPES[recipe].quantized else (q, k, v)
         ctx.save_for_backward(*keep, o, lse, cu_q, cu_k, *ops)
-        ctx.args = (dense, causal, scale, recipe, block_tokens, safeguard)
+        ctx.args = (dense, causal, scale, recipe, block_tokens, safeguard, backend, deterministic)
         ctx.shapes = (q.shape, k.shape, v.shape)
         ctx.mark_non_differentiable(lse)
         return o, lse
@@ -2069,7 +2087,7 @@ class _FlamiaAttention(torch.autograd.Function):
         if _RECIPES[ctx.args[3]].quantized:  # the kernels need only the originals' shapes
             q, k, v = (o.new_empty(s) for s in ctx.shapes)
         dq, dk, dv = _op(_bwd_op, _bwd_impl)(do, q, k, v, o, lse, ops, cu_q, cu_k, *ctx.args)
-        return dq, dk, dv, *([None] * 10)
+        return dq, dk, dv, *([None] * 11)
 
 
 def kernels_available(device) -> bool:
@@ -2112,7 +2130,7 @@ def _check_options(recipe, block_tokens, backend) -> None:
 
 
 def _attention(q, k, v, cu_q, cu_k, dense, causal, softmax_scale, recipe, block_tokens, safeguard,
-               rotate_qk, backend, check_finite):
+               rotate_qk, backend, check_finite, deterministic):
     """Both public functions, after validation: the kernels, or the oracle where none run."""
     softmax_scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if not kernels_available(q.device):  # CPU without the interpreter: the oracle (P unrounded)
@@ -2126,13 +2144,14 @@ def _attention(q, k, v, cu_q, cu_k, dense, causal, softmax_scale, recipe, block_
     if rotate_qk:  # outside the custom op: autograd rotates dQ, dK back
         q, k, softmax_scale = _rotate_qk(q, k, softmax_scale)
     return _FlamiaAttention.apply(q, k, v, cu_q, cu_k, dense, causal, softmax_scale, recipe,
-                                  block_tokens, safeguard, backend, check_finite)
+                                  block_tokens, safeguard, backend, check_finite, deterministic)
 
 
 def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                             causal=True, softmax_scale=None, recipe="mxfp8",
                             block_tokens=DEFAULT_BLOCK_TOKENS, safeguard=True, rotate_qk=False,
-                            backend=None, plan=None, return_lse=False, check_finite=False):
+                            backend=None, plan=None, return_lse=False, check_finite=False,
+                            deterministic=False):
     """FLAMIA attention on packed documents (flash-attn's varlen signature).
 
     q: (total_q, H, D); k, v: (total_k, Hk, D) with H % Hk == 0 (GQA/MQA); bf16 or fp16; D 64/128.
@@ -2149,6 +2168,9 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         dot_scaled on Blackwell (sm_100+) for mxfp8 / mxfp4; on Hopper gluon for mxfp8 with
         block_tokens a multiple of 128 at head_dim 128 (where it measured fastest) when it can
         compute the call (else wgmma, with a one-time warning saying why); wgmma otherwise.
+        The backward: with backend="gluon", and by default at head_dim 64 on Hopper, Gluon's.
+    deterministic: the backward's tl kernels, bitwise reproducible (Gluon's adds dQ with fp32
+        atomics, whose order varies: last-bit differences from run to run).
     plan: flamia_plan(cu_seqlens_q, cu_seqlens_k), built once per batch and shared by all layers;
         without it each call finds or builds one (a host sync when it builds). With a plan, the
         cu_seqlens may be None (the plan's own); others than the plan's are refused (ValueError).
@@ -2180,13 +2202,14 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     if plan is not None:
         _check_plan(plan, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     o, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, [0, 0, 0], causal, softmax_scale,
-                        recipe, block_tokens, safeguard, rotate_qk, backend, check_finite)
+                        recipe, block_tokens, safeguard, rotate_qk, backend, check_finite,
+                        deterministic)
     return (o, lse) if return_lse else o
 
 
 def flamia_attn_func(q, k, v, *, causal=True, softmax_scale=None, recipe="mxfp8",
                      block_tokens=DEFAULT_BLOCK_TOKENS, safeguard=True, rotate_qk=False,
-                     backend=None, return_lse=False, check_finite=False):
+                     backend=None, return_lse=False, check_finite=False, deterministic=False):
     """FLAMIA attention on (batch, seqlen, heads, head_dim) tensors; see flamia_attn_varlen_func.
     Returns out (B, Sq, H, D) [and lse (B, H, Sq)]. No host sync (the Plan comes from shapes)."""
     _check_qkv(q, k, v, 4)
@@ -2199,7 +2222,7 @@ def flamia_attn_func(q, k, v, *, causal=True, softmax_scale=None, recipe="mxfp8"
     o, lse = _attention(q.reshape(B * Sq, H, D), k.reshape(B * Sk, *k.shape[2:]),
                         v.reshape(B * Sk, *v.shape[2:]), cu(Sq), cu(Sk), [B, Sq, Sk], causal,
                         softmax_scale, recipe, block_tokens, safeguard, rotate_qk, backend,
-                        check_finite)
+                        check_finite, deterministic)
     o, lse = o.view(B, Sq, H, D), lse.view(H, B, Sq).transpose(0, 1)
     return (o, lse) if return_lse else o
 
@@ -2326,7 +2349,7 @@ AUDIT_DOC_LENS = (33, 1, 31, 0, 32, 161)
 
 def audit_causality(attn_fn, *, heads=2, kv_heads=None, head_dim=64, doc_lens=AUDIT_DOC_LENS,
                     positions=None, tensors=("q", "k", "v"), outlier=1e3, device=None,
-                    dtype=torch.bfloat16, seed=0):
+                    dtype=torch.bfloat16, seed=0, gradients=False):
     """Audit `attn_fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)` (flash-attn
     varlen signature, causal self-attention; may return out or (out, lse)).
 
@@ -2334,6 +2357,9 @@ def audit_causality(attn_fn, *, heads=2, kv_heads=None, head_dim=64, doc_lens=AU
     Returns a list of findings, one per (doc, position, tensor, kind) that leaked, each a dict with
     kind "future" (an earlier row of the same document changed) or "document" (a row of another
     document changed), the number of changed rows and the largest absolute change. [] means safe.
+    gradients: also back-propagate a fixed dO; a token's row then holds dQ too (a function of the
+    tokens up to it), and for other documents dK and dV (an earlier key's dK, dV legitimately
+    depends on later queries).
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     kv_heads = kv_heads or heads
@@ -2345,15 +2371,25 @@ def audit_causality(attn_fn, *, heads=2, kv_heads=None, head_dim=64, doc_lens=AU
             for n, h in (("q", heads), ("k", kv_heads), ("v", kv_heads))}
     max_len = max(doc_lens)
 
-    def run(x):
+    d_out = torch.randn(T, heads, head_dim, generator=torch.Generator().manual_seed(seed + 1))
+    d_out = d_out.to(dtype).to(device)
+
+    def run(x):  # (rows that must not see the future, rows that must not see other documents)
+        if gradients:
+            x = {n: t.clone().requires_grad_() for n, t in x.items()}
         out = attn_fn(x["q"], x["k"], x["v"], cu, cu, max_len, max_len)
         o, lse = out if isinstance(out, tuple) else (out, None)
-        rows = o.reshape(T, -1)  # (T, H*D) per token
+        rows = [o.reshape(T, -1).float()]  # (T, H*D) per token
         if lse is not None:  # flash-attn layout (H, T)
-            rows = torch.cat([rows.float(), lse.reshape(-1, T).t().float()], dim=1)
-        return rows.float()
+            rows.append(lse.reshape(-1, T).t().float())
+        if not gradients:
+            return torch.cat(rows, 1), torch.cat(rows, 1)
+        o.backward(d_out)
+        rows = [r.detach() for r in rows] + [x["q"].grad.reshape(T, -1).float()]
+        keys = [x[n].grad.reshape(T, -1).float() for n in "kv"]
+        return torch.cat(rows, 1), torch.cat(rows + keys, 1)
 
-    ref = run(base)
+    ref, ref_all = run(base)
     doc_of = torch.searchsorted(torch.tensor(offsets), torch.arange(T), right=True) - 1
     if positions is None:  # per document: the middle and end of the first block, a late token
         positions = {d: sorted({p for p in (L // 2, min(L - 1, 20), L - 1) if 0 < p < L})
@@ -2367,11 +2403,12 @@ def audit_causality(attn_fn, *, heads=2, kv_heads=None, head_dim=64, doc_lens=AU
                 x[name] = base[name].clone()
                 sign = torch.sign(torch.randn(x[name][t].shape, generator=gen))
                 x[name][t] = (outlier * sign).to(dtype).to(device)
-                out = run(x)
+                out, out_all = run(x)
                 changed = (out != ref).any(dim=1).cpu()  # bitwise, per token row
-                diff = (out - ref).abs().amax(dim=1).cpu()
+                changed_all = (out_all != ref_all).any(dim=1).cpu()
+                diff = (out_all - ref_all).abs().amax(dim=1).cpu()
                 earlier = (doc_of == d) & (torch.arange(T) < t)
-                other_docs = (doc_of != d) & changed
+                other_docs = (doc_of != d) & changed_all
                 for kind, rows in (("future", earlier & changed), ("document", other_docs)):
                     if rows.any():
                         change = diff[rows].nan_to_num(float("inf")).max()

@@ -1,10 +1,11 @@
 """
-flamia_hopper: a FlashAttention-3-style Gluon forward for Hopper (sm_90, triton 3.6) that computes
-the function of flamia.py's forward for recipe="mxfp8" (block_tokens 1, and 128 with the per-tile
-safeguard) and recipe="bf16" (the same kernel without scales). flamia.py imports it when it is
-present and uses it for backend="gluon" (forward only; the backward stays flamia's). Tested on the
-H200 by test_flamia.py's GPU tests: oracle agreement, audit_causality, determinism.
+flamia_hopper: FlashAttention-3-style Gluon kernels for Hopper (sm_90, triton 3.6) that compute the
+functions of flamia.py's forward and backward for recipe="mxfp8" (block_tokens 1, and 128 with the
+per-tile safeguard) and recipe="bf16". flamia.py imports it when it is present and uses it for
+backend="gluon" (and by default where it measured faster). Tested on the H200 by test_flamia.py's
+GPU tests: oracle agreement, audit_causality, determinism, bitwise copies of flamia's rules.
 
+THE FORWARD
 The schedule (persistent: one CTA per SM walks work items = (query tile of 128 rows, head))
 ----------------------------------------------------------------------------------------------------
 Work item i = query tile i // H of the Plan's tile table (heavy tiles first: LPT) and head i % H;
@@ -88,7 +89,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (tma, mbarrier, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+                                                              warpgroup_mma_wait, fence_async_shared)
 from triton.language.core import _aggregate as aggregate  # 3.6's (private) name; gl.aggregate later
 
 
@@ -668,3 +669,304 @@ def attn_fwd(q_data, q_exp, k_data, k_exp, v_data, v_exp, o, lse, tiles, *, soft
                               CAUSAL=causal, QUANT=quant, TILE_SAFEGUARD=tile_safeguard,
                               num_warps=4, maxnreg=168)
     return o, lse
+
+
+# ================================================================================================
+# The backward: dK, dV per key tile in registers, dQ by fp32 atomics (FA3's schedule)
+# ================================================================================================
+# It computes flamia's backward function (section 5b: bf16 MMAs on the forward's exactly dequantized
+# operands; the safeguard's per-token copies KS, VS on the query tiles that straddle) with another
+# schedule: one CTA per (key tile of 128 keys, K/V head). A loader warp streams the query tiles (Q,
+# dO by TMA; LSE in log2 units and Delta staged) of every query head of the GQA group through a ring;
+# two consumer warpgroups, 64 keys each, run per query tile ("swapAB": keys are the MMA's rows):
+#     S^T = K Q^T, dP^T = V dO^T          (async wgmma, both in flight)
+#     P^T = exp2(S^T * scale - lse);  dS^T = P^T (dP^T - Delta)
+#     dV += P^T dO;  dK += dS^T Q         (P^T, dS^T from registers)
+#     dQ_part = dS K_w  (dS^T through shared memory), added to an fp32 dQ with atomics.
+# dK and dV stay in registers over all query tiles and heads; dQ's fp32 sum is converted by the
+# host. The atomics make dQ's last bits depend on the order of the adds: flamia's tl backward is the
+# deterministic one.
+# Rows past the query document (the next document's, or TMA's zeros past the tensor) get LSE = +inf,
+# so P = 0 there without a mask; masks run only on the causal diagonal and on a key tile that ends
+# inside its box (its last rows are the next document's keys: P must be 0 there, or dQ takes them).
+@aggregate
+class BwdSmem:
+    """The backward's shared memory. Barriers (count: who arrives -> who waits):
+      kv_ready     (1, expect-tx: TMA) K, V (and KS, VS) of the key tile -> both consumers, once
+      q_ready[S]   (1, expect-tx: TMA) Q and dO of ring position c       -> both consumers
+      st_ready[S]  (1) loader, LSE (log2) and Delta staged               -> both consumers
+      q_free[S]    (2) each consumer WG after its last MMA on the slot   -> loader"""
+    k_s: gl.shared_memory_descriptor
+    v_s: gl.shared_memory_descriptor
+    ks_s: gl.shared_memory_descriptor
+    vs_s: gl.shared_memory_descriptor
+    q_s: gl.shared_memory_descriptor
+    do_s: gl.shared_memory_descriptor
+    lse_s: gl.shared_memory_descriptor
+    dl_s: gl.shared_memory_descriptor
+    ds_s: gl.shared_memory_descriptor
+    kv_ready: gl.shared_memory_descriptor
+    q_ready: gl.shared_memory_descriptor
+    st_ready: gl.shared_memory_descriptor
+    q_free: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, k_s, v_s, ks_s, vs_s, q_s, do_s, lse_s, dl_s, ds_s, kv_ready, q_ready,
+                 st_ready, q_free):
+        self.k_s = k_s
+        self.v_s = v_s
+        self.ks_s = ks_s
+        self.vs_s = vs_s
+        self.q_s = q_s
+        self.do_s = do_s
+        self.lse_s = lse_s
+        self.dl_s = dl_s
+        self.ds_s = ds_s
+        self.kv_ready = kv_ready
+        self.q_ready = q_ready
+        self.st_ready = st_ready
+        self.q_free = q_free
+
+@gluon.jit
+def _key_tile(TILES, BLOCK_M: gl.constexpr, BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr,
+              TILE_SAFEGUARD: gl.constexpr):
+    """Key tile program_id(0) of the Plan's key-tile table: its keys, its documents, and flamia's
+    query range for it (_attn_bwd_dkdv's q_lo, q_mid: query tiles [q_lo, q_mid) are masked, and
+    with the safeguard use the per-token copies; rows are document-local)."""
+    row = TILES + gl.program_id(0) * 8
+    k_start = gl.load(row + 0)
+    k_end = gl.load(row + 1)
+    kd_start = gl.load(row + 2)
+    kd_end = gl.load(row + 3)
+    qd_start = gl.load(row + 4)
+    q_len = gl.load(row + 5) - qd_start
+    shift = (kd_end - kd_start) - q_len
+    if CAUSAL:
+        q_lo = gl.maximum(k_start - kd_start - shift, 0) // BLOCK_M * BLOCK_M
+        thr = k_end - kd_start - 1
+        if TILE_SAFEGUARD:  # flamia's _first_safe_query
+            thr = (k_end - kd_start + BLOCK_TOKENS - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+        q_mid = gl.minimum((gl.maximum(thr - shift, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, q_len)
+        q_mid = gl.maximum(q_mid, q_lo)
+    else:
+        q_lo = 0
+        q_mid = 0
+    return k_start, k_end, kd_start, kd_end, qd_start, q_len, shift, q_lo, q_mid
+
+@gluon.jit
+def _stage_rows(LSEh, DELTAh, lse_slot, dl_slot, start_m, q_len, BLOCK_M: gl.constexpr):
+    """Loader: a query tile's LSE in log2 units (+inf for rows without keys and past the document,
+    so that P = 0 there: flamia's _query_rows) and Delta, into the ring slot."""
+    sl: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    offs = start_m + gl.arange(0, BLOCK_M, layout=sl)
+    m = offs < q_len
+    lse2 = gl.load(LSEh + offs, mask=m, other=0.0) * 1.4426950408889634
+    lse_slot.store(gl.where((lse2 == float("-inf")) | ~m, float("inf"), lse2))
+    dl_slot.store(gl.load(DELTAh + offs, mask=m, other=0.0))
+
+@gluon.jit
+def _bwd_loader(q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, sm, LSE, DELTA, TILES, T_Q, H,
+                HK, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, TILE_SAFEGUARD: gl.constexpr):
+    hk = gl.program_id(1)
+    k_start, k_end, kd_start, kd_end, qd_start, q_len, shift, q_lo, q_mid = _key_tile(
+        TILES, BLOCK_M, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)
+    bar = sm.kv_ready.index(0)
+    copies: gl.constexpr = 2 if TILE_SAFEGUARD else 1
+    mbarrier.expect(bar, 2 * copies * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [k_start, hk * D], bar, sm.k_s)
+    tma.async_copy_global_to_shared(v_desc, [k_start, hk * D], bar, sm.v_s)
+    if TILE_SAFEGUARD:
+        tma.async_copy_global_to_shared(ks_desc, [k_start, hk * D], bar, sm.ks_s)
+        tma.async_copy_global_to_shared(vs_desc, [k_start, hk * D], bar, sm.vs_s)
+    n_m = gl.cdiv(q_len - q_lo, BLOCK_M)
+    c = 0  # ring position: runs over the group's heads and their query tiles
+    for i in range(H // HK):
+        hq = hk * (H // HK) + i
+        for j in range(n_m):
+            start_m = q_lo + j * BLOCK_M
+            s = c % STAGES
+            _acquire_free(sm.q_free, c, STAGES)
+            bar = sm.q_ready.index(s)
+            mbarrier.expect(bar, 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [qd_start + start_m, hq * D], bar, sm.q_s.index(s))
+            tma.async_copy_global_to_shared(do_desc, [qd_start + start_m, hq * D], bar,
+                                            sm.do_s.index(s))
+            _stage_rows(LSE + hq * T_Q + qd_start, DELTA + hq * T_Q + qd_start, sm.lse_s.index(s),
+                        sm.dl_s.index(s), start_m, q_len, BLOCK_M)
+            _release(sm.st_ready, c, STAGES)
+            c += 1
+
+@gluon.jit
+def _bwd_step(c, sm, dk, dv, pos_k, kd_len, start_m, shift, DQh, q_len, H, sm_scale_log2,
+              WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, MASKED: gl.constexpr, COPIES: gl.constexpr):
+    """One query tile (ring position c) for this warpgroup's 64 keys: dK, dV updated, dQ added.
+    Every MMA issued here is retired here (see the forward's _step)."""
+    dtype: gl.constexpr = gl.bfloat16
+    s_layout: gl.constexpr = _mma_layout(dtype, BLOCK_M)
+    o_layout: gl.constexpr = dk.type.layout
+    st = c % STAGES
+    if COPIES:  # the safeguard's per-token K, V (query tiles whose position their block holds)
+        k = sm.ks_s.slice(WG * 64, 64)
+        v = sm.vs_s.slice(WG * 64, 64)
+    else:
+        k = sm.k_s.slice(WG * 64, 64)
+        v = sm.v_s.slice(WG * 64, 64)
+    _acquire_filled(sm.q_ready, c, STAGES)
+    q = sm.q_s.index(st)
+    do = sm.do_s.index(st)
+    zero = gl.zeros([64, BLOCK_M], gl.float32, s_layout)
+    s_tok = warpgroup_mma(k, q.permute((1, 0)), zero, use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(v, do.permute((1, 0)), zero, use_acc=False, is_async=True)
+    _acquire_filled(sm.st_ready, c, STAGES)
+    col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+    if MASKED:  # keys past the document; (causal) keys after the query's position
+        visible = gl.expand_dims(pos_k < kd_len, 1)
+        if CAUSAL:
+            pos_q = start_m + gl.arange(0, BLOCK_M, layout=col_l) + shift
+            visible = visible & (gl.expand_dims(pos_k, 1) <= gl.expand_dims(pos_q, 0))
+        s = gl.where(visible, s, float("-inf"))
+    p = gl.exp2(s * sm_scale_log2 - gl.expand_dims(sm.lse_s.index(st).load(col_l), 0))
+    dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
+    ds = (p * (dp - gl.expand_dims(sm.dl_s.index(st).load(col_l), 0))).to(dtype)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), a_layout), do, dv, is_async=True)
+    dk_tok = warpgroup_mma(gl.convert_layout(ds, a_layout), q, dk, is_async=True)
+    # dQ = dS K over this warpgroup's keys: dS^T goes through shared memory to be read transposed
+    ds_s = sm.ds_s.index(WG)
+    ds_s.store(ds)
+    fence_async_shared()
+    # retire dV and dK first: their A operands (P, dS in registers) stay locked while in flight,
+    # and beside dQ's accumulator they would not fit in the 240 registers
+    dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok,))
+    dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok,))
+    _release(sm.q_free, c, STAGES)
+    # dQ in two halves of the head dim: a [64, D] fp32 accumulator beside dK and dV spills at D=128
+    dq_layout: gl.constexpr = _mma_layout(dtype, D // 2)
+    rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+    offs = (gl.expand_dims(rows * (H * D), 1)
+            + gl.expand_dims(gl.arange(0, D // 2, layout=gl.SliceLayout(0, dq_layout)), 0))
+    for half in gl.static_range(2):
+        dq = warpgroup_mma(ds_s.permute((1, 0)), k.slice(half * (D // 2), D // 2, dim=1),
+                           gl.zeros([BLOCK_M, D // 2], gl.float32, dq_layout), use_acc=False)
+        gl.atomic_add(DQh + half * (D // 2) + offs, dq, mask=gl.expand_dims(rows < q_len, 1),
+                      sem="relaxed")
+    return dk, dv
+
+@gluon.jit
+def _bwd_consumer(sm, DQ, DK, DV, TILES, sm_scale, T_K, H, HK, WG: gl.constexpr, D: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, TILE_SAFEGUARD: gl.constexpr):
+    hk = gl.program_id(1)
+    k_start, k_end, kd_start, kd_end, qd_start, q_len, shift, q_lo, q_mid = _key_tile(
+        TILES, BLOCK_M, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)
+    o_layout: gl.constexpr = _mma_layout(gl.bfloat16, D)
+    row_l: gl.constexpr = gl.SliceLayout(1, _mma_layout(gl.bfloat16, BLOCK_M))
+    pos_k = k_start - kd_start + WG * 64 + gl.arange(0, 64, layout=row_l)
+    kd_len = kd_end - kd_start
+    sm_scale_log2 = sm_scale * 1.4426950408889634
+    dk = gl.zeros([64, D], gl.float32, o_layout)
+    dv = gl.zeros([64, D], gl.float32, o_layout)
+    mbarrier.wait(sm.kv_ready.index(0), 0)
+    n_m = gl.cdiv(q_len - q_lo, BLOCK_M)
+    n_diag = (q_mid - q_lo) // BLOCK_M
+    partial = k_end - k_start < BLOCK_N  # the box's last keys are the next document's
+    c = 0
+    for i in range(H // HK):
+        hq = hk * (H // HK) + i
+        DQh = DQ + (qd_start * H + hq) * D
+        for j in range(0, n_diag):
+            dk, dv = _bwd_step(c + j, sm, dk, dv, pos_k, kd_len, q_lo + j * BLOCK_M, shift, DQh,
+                               q_len, H, sm_scale_log2, WG, D, BLOCK_M, STAGES, CAUSAL, True,
+                               TILE_SAFEGUARD)
+        if partial:
+            for j in range(n_diag, n_m):
+                dk, dv = _bwd_step(c + j, sm, dk, dv, pos_k, kd_len, q_lo + j * BLOCK_M, shift,
+                                   DQh, q_len, H, sm_scale_log2, WG, D, BLOCK_M, STAGES, CAUSAL,
+                                   True, False)
+        else:
+            for j in range(n_diag, n_m):
+                dk, dv = _bwd_step(c + j, sm, dk, dv, pos_k, kd_len, q_lo + j * BLOCK_M, shift,
+                                   DQh, q_len, H, sm_scale_log2, WG, D, BLOCK_M, STAGES, CAUSAL,
+                                   False, False)
+        c += n_m
+    keys = k_start + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    ptrs = gl.expand_dims((keys * HK + hk) * D, 1) + gl.expand_dims(offs_d, 0)
+    kmask = gl.expand_dims(keys < k_end, 1)
+    gl.store(DK + ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=kmask)
+    gl.store(DV + ptrs, dv.to(DV.dtype.element_ty), mask=kmask)
+
+@gluon.jit
+def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, LSE, DELTA, DQ, DK, DV,
+                     TILES, sm_scale, T_Q, T_K, H, HK, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BLOCK_TOKENS: gl.constexpr,
+                     CAUSAL: gl.constexpr, TILE_SAFEGUARD: gl.constexpr):
+    k_s = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
+    v_s = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    if TILE_SAFEGUARD:
+        ks_s = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
+        vs_s = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    else:
+        ks_s = k_s
+        vs_s = v_s
+    q_s = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape,
+                                    q_desc.layout)
+    do_s = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape,
+                                     do_desc.layout)
+    row_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    lse_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_l)
+    dl_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_l)
+    ds_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], gl.bfloat16)
+    ds_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, BLOCK_M], ds_l)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    st_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready.index(0), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(st_ready.index(i), count=1)
+        mbarrier.init(q_free.index(i), count=2)  # both consumer warpgroups release a slot
+    sm = BwdSmem(k_s, v_s, ks_s, vs_s, q_s, do_s, lse_s, dl_s, ds_s, kv_ready, q_ready, st_ready,
+                 q_free)
+    gl.warp_specialize([
+        (_bwd_consumer, (sm, DQ, DK, DV, TILES, sm_scale, T_K, H, HK, 0, D, BLOCK_M, BLOCK_N,
+                         STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)),
+        (_bwd_consumer, (sm, DQ, DK, DV, TILES, sm_scale, T_K, H, HK, 1, D, BLOCK_M, BLOCK_N,
+                         STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)),
+        (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, sm, LSE, DELTA, TILES,
+                       T_Q, H, HK, D, BLOCK_M, STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)),
+    ], [4, 1], [240, 24])
+
+
+BWD_BLOCK_N = 128  # keys per CTA (2 warpgroups x 64): the Plan's key-tile table must use this
+
+
+def attn_bwd(q, k, v, ks, vs, do, lse, delta, dk, dv, tiles, *, softmax_scale, causal,
+             block_tokens=1, tile_safeguard=False):
+    """dQ (returned), dK, dV (written) of flamia's backward function, on its bf16 operands: q, do
+    (Tq, H, D); k, v and the safeguard's per-token copies ks, vs (Tk, HK, D) (the quantized recipes':
+    exactly dequantized); lse, delta (H, Tq) fp32; tiles: plan.tiles(BWD_BLOCK_N, "k", causal).
+    tile_safeguard: flamia's per-tile safeguard for 64-query x 128-key tiles (ks, vs on the masked
+    query tiles); without it ks, vs are ignored."""
+    Tq, H, D = q.shape
+    Tk, HK = k.shape[:2]
+    BM, BN = 64, BWD_BLOCK_N
+    dq = torch.zeros(Tq, H, D, dtype=torch.float32, device=q.device)
+    if tiles.shape[0] == 0:
+        return dq.to(q.dtype)
+    qd = _desc(q, (Tq, H * D), (H * D, 1), (BM, D))
+    dod = _desc(do, (Tq, H * D), (H * D, 1), (BM, D))
+    kd = _desc(k, (Tk, HK * D), (HK * D, 1), (BN, D))
+    vd = _desc(v, (Tk, HK * D), (HK * D, 1), (BN, D))
+    ksd = _desc(ks, (Tk, HK * D), (HK * D, 1), (BN, D)) if tile_safeguard else None
+    vsd = _desc(vs, (Tk, HK * D), (HK * D, 1), (BN, D)) if tile_safeguard else None
+    _attn_bwd_hopper[(tiles.shape[0], HK)](qd, dod, kd, vd, ksd, vsd, lse, delta, dq, dk, dv,
+                                           tiles, softmax_scale, Tq, Tk, H, HK, D=D, BLOCK_M=BM,
+                                           BLOCK_N=BN, STAGES=2, BLOCK_TOKENS=block_tokens,
+                                           CAUSAL=causal, TILE_SAFEGUARD=tile_safeguard,
+                                           num_warps=4, maxnreg=168)
+    return (dq * softmax_scale).to(q.dtype)

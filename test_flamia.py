@@ -1793,6 +1793,26 @@ def test_audit_causality_detects_the_unsafe_setting():
     assert not [f for f in findings if f["kind"] == "document"], findings
 
 
+@pytest.mark.parametrize("recipe,bt", [("mxfp8", 32), ("mxfp8", 1)])
+def test_audit_causality_gradients_safe(recipe, bt):
+    """The backward too, bitwise: perturbing token t leaves dQ of every earlier token of its
+    document, and every gradient of every other document, unchanged (dK, dV of earlier keys may
+    change: they see later queries)."""
+    findings = flamia.audit_causality(_flamia_fn(recipe=recipe, block_tokens=bt), heads=2,
+                                      positions={0: [16], 5: [140]}, tensors=("q", "k", "v"),
+                                      gradients=True)
+    assert findings == [], f"{recipe} bt={bt} leaks through the gradients: {findings}"
+
+
+def test_audit_causality_gradients_detect_the_unsafe_setting():
+    """Without the safeguard, a later key's block scale reaches earlier rows' dQ; never another
+    document's gradients."""
+    findings = flamia.audit_causality(_flamia_fn(recipe="mxfp8", block_tokens=32, safeguard=False),
+                                      heads=2, positions={0: [16], 5: [140]}, tensors=("k",),
+                                      gradients=True)
+    assert {(f["doc"], f["kind"]) for f in findings} == {(0, "future"), (5, "future")}, findings
+
+
 def _global_scale_attention(q, k, v, cu_q, cu_k, max_q, max_k):
     """A deliberately unsafe toy: K fake-quantized to E4M3 with ONE power-of-two scale for the whole
     tensor (the per-tensor amax recipe), then exact fp32 attention."""
@@ -2021,6 +2041,95 @@ def test_gluon_copies_of_the_rules_are_bitwise_flamias():
     _gluon_exp2_int[(1,)](e, got, 256, num_warps=1)
     assert_bitwise(got, want, "_exp2_int")
     assert torch.equal(want, torch.exp2(e.double() - 127).float())
+
+
+GLUON_BWD_CASES = [  # recipe, block_tokens, causal, (H, HK), layout, head_dim
+    ("bf16", 1, True, (4, 2), "self", 64),
+    ("bf16", 1, False, (4, 2), "self", 128),
+    ("mxfp8", 1, True, (4, 2), "self", 64),
+    ("mxfp8", 1, True, (4, 1), "self", 128),
+    ("mxfp8", 128, True, (4, 2), "self", 128),  # the per-tile safeguard: KS, VS on the diagonal
+    ("mxfp8", 128, True, (2, 2), "self", 64),
+    ("mxfp8", 1, True, (2, 2), "cross", 64),
+    ("mxfp8", 1, False, (2, 2), "cross", 128),
+]
+
+
+@needs_gluon
+@pytest.mark.parametrize("recipe,bt,causal,heads,layout,D", GLUON_BWD_CASES,
+                         ids=[f"{r}-bt{b}-{'causal' if c else 'full'}-h{h[0]}kv{h[1]}-{l}-d{D}"
+                              for r, b, c, h, l, D in GLUON_BWD_CASES])
+def test_gluon_backward_matches_oracle(recipe, bt, causal, heads, layout, D):
+    """The Gluon backward (backend='gluon') computes the tl backward's function: gradients vs the
+    oracle with the tl backward's tolerances (_check_grads), and vs the tl kernels on the same
+    forward (deterministic=True): dK, dV bitwise (the same bf16 MMAs, summed over query tiles in the
+    same order), dQ to fp32 rounding (its atomics add in another order). Documents of length 0 and
+    1, a partial last key tile whose box holds the next document's keys, GQA."""
+    H, HK = heads
+    lens_q, lens_k = (((0, 1, 31, 32, 33, 150, 300, 129),) * 2 if layout == "self"
+                      else ((20, 1, 64, 5, 200), (150, 40, 64, 0, 328)))
+    q, k, v = qkv(80 + bt + causal + H + D, sum(lens_q), H=H, HK=HK, D=D, Tk=sum(lens_k),
+                  requires_grad=True)
+    do = randn(torch.Generator().manual_seed(81), sum(lens_q), H, D)
+    kw = dict(causal=causal, recipe=recipe, block_tokens=bt)
+    grads = []
+    for deterministic in (False, True):
+        for x in (q, k, v):
+            x.grad = None
+        o = api(q, k, v, lens_q, lens_k, backend="gluon", deterministic=deterministic, **kw)
+        o.backward(do)
+        grads.append([x.grad.clone() for x in (q, k, v)])
+        if not deterministic:
+            _check_grads((q, k, v), q, k, v, do, o, cu_of(lens_q), cu_of(lens_k),
+                         f"gluon {recipe} bt={bt} causal={causal} {layout} D={D}", **kw)
+    (dq, dk, dv), (dq_tl, dk_tl, dv_tl) = grads
+    assert_bitwise(dk, dk_tl, "dK: Gluon vs tl")
+    assert_bitwise(dv, dv_tl, "dV: Gluon vs tl")
+    assert_rel(dq, dq_tl, 1e-3, "dQ: Gluon vs tl")
+
+
+@needs_gluon
+def test_gluon_backward_is_the_d64_default_and_deterministic_opts_out():
+    """backend=None at head_dim 64 on the H200 runs the Gluon backward (bitwise what
+    backend='gluon' gives for dK, dV; the forward is the tl one either way); deterministic=True
+    runs the tl kernels: two runs bitwise equal, dQ included. At head_dim 128 the default stays tl."""
+    lens = (700, 33, 1, 290)
+    q, k, v = qkv(90, sum(lens), D=64, requires_grad=True)
+    do = randn(torch.Generator().manual_seed(91), sum(lens), 4, 64)
+
+    def grads(**kw):
+        for x in (q, k, v):
+            x.grad = None
+        api(q, k, v, lens, recipe="mxfp8", **kw).backward(do)
+        return [x.grad.clone() for x in (q, k, v)]
+    var = lambda D, **kw: flamia.variant(torch.empty(1, 1, D, device="cuda", dtype=BF16), "mxfp8",
+                                         1, flamia.Plan(cu_of(lens)), **kw).bwd
+    assert (var(64), var(128), var(64, deterministic=True)) == ("gluon", "tl", "tl")
+    default, gluon = grads(), grads(backend="gluon")
+    for name, a, b in zip("kv", default[1:], gluon[1:]):
+        assert_bitwise(a, b, f"d{name}: default vs backend='gluon'")
+    first, second = grads(deterministic=True), grads(deterministic=True)
+    for name, a, b in zip("qkv", first, second):
+        assert_bitwise(a, b, f"d{name}: deterministic=True, two runs")
+
+
+@needs_gluon
+@pytest.mark.parametrize("recipe,bt", [("mxfp8", 1), ("mxfp8", 128), ("bf16", 1)])
+def test_gluon_backward_audit_causality(recipe, bt):
+    """Bitwise through the gradients: perturbing token t changes neither dQ of an earlier token of
+    its document nor any gradient of another document (Gluon forward and backward, GQA)."""
+    fn = _flamia_fn(recipe=recipe, block_tokens=bt, backend="gluon")
+    assert flamia.audit_causality(fn, heads=4, kv_heads=2, head_dim=128, gradients=True) == []
+
+
+@needs_gluon
+def test_gluon_backward_unsafe_setting_leaks():
+    """The teeth of the gradient audit: without the safeguard, B_t=128's block scales carry later
+    keys into earlier rows' dQ."""
+    fn = _flamia_fn(recipe="mxfp8", block_tokens=128, safeguard=False, backend="gluon")
+    kinds = {f["kind"] for f in flamia.audit_causality(fn, heads=4, kv_heads=2, head_dim=128,
+                                                       gradients=True)}
+    assert kinds == {"future"}
 
 
 @needs_gluon
