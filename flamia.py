@@ -1649,6 +1649,25 @@ def _query_rows(LSE, DELTA, offs_m, end):
 
 
 @triton.jit
+def _query_range(key_start, key_end, q_len, shift, BLOCK_M: tl.constexpr,
+                 BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, SAFEGUARD: tl.constexpr):
+    """Query tiles (document-local rows, BLOCK_M-aligned) that see keys [key_start, key_end): from
+    q_lo; those before q_mid need the mask (the diagonal, and with the safeguard the rows whose
+    position the key tile's blocks hold); from q_mid on every row sees every key, safely."""
+    if CAUSAL:
+        q_lo = tl.maximum(key_start - shift, 0) // BLOCK_M * BLOCK_M  # the first row seeing a key
+        thr = key_end - 1  # a row at or past this position sees every key of the tile...
+        if SAFEGUARD:  # ...and past the straddling block when the safeguard is on
+            thr = _first_safe_query(key_end, BLOCK_TOKENS)
+        q_mid = tl.minimum((tl.maximum(thr - shift, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, q_len)
+        q_mid = tl.maximum(q_mid, q_lo)
+    else:
+        q_lo = 0
+        q_mid = 0
+    return q_lo, q_mid
+
+
+@triton.jit
 def _attn_bwd_dkdv_step(dk, dv, lse2, delta, k, v, ks, vs, kscale, pos_k, start_m,
                         Q, DO, LSE, DELTA, q_len, shift, H, sm_scale_log2,
                         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
@@ -1716,16 +1735,8 @@ def _attn_bwd_dkdv(
     # safeguard's straddling blocks), then those every row of which sees every key, then the
     # document's partial last tile (bounds mask). Rows are document-local.
     q_full = q_len // BLOCK_M * BLOCK_M
-    if CAUSAL:
-        q_lo = tl.maximum(k_start - kd_start - shift, 0) // BLOCK_M * BLOCK_M  # first row seeing it
-        thr = k_end - kd_start - 1  # a row at or past this position sees every key of the tile...
-        if SAFEGUARD != "off":  # ...and past the straddling block when the safeguard is on
-            thr = _first_safe_query(k_end - kd_start, BLOCK_TOKENS)
-        q_mid = tl.minimum((tl.maximum(thr - shift, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, q_len)
-        q_mid = tl.maximum(q_mid, q_lo)
-    else:
-        q_lo = 0
-        q_mid = 0
+    q_lo, q_mid = _query_range(k_start - kd_start, k_end - kd_start, q_len, shift, BLOCK_M,
+                               BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
     k_diag, v_diag = k, v
     if SAFEGUARD == "tile":  # the masked query tiles all lie in this key tile's block
         k_diag, v_diag = ks, vs

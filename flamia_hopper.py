@@ -871,7 +871,7 @@ def _bwd_consumer(sm, DQ, DK, DV, TILES, sm_scale, T_K, H, HK, WG: gl.constexpr,
     dv = gl.zeros([64, D], gl.float32, o_layout)
     mbarrier.wait(sm.kv_ready.index(0), 0)
     n_m = gl.cdiv(q_len - q_lo, BLOCK_M)
-    n_diag = (q_mid - q_lo) // BLOCK_M
+    n_diag = gl.cdiv(q_mid - q_lo, BLOCK_M)  # flamia loops range(q_lo, q_mid, BLOCK_M)
     partial = k_end - k_start < BLOCK_N  # the box's last keys are the next document's
     c = 0
     for i in range(H // HK):

@@ -2000,9 +2000,32 @@ if flamia.flamia_hopper is not None:
         gl.store(OUT + gl.program_id(0) * 2 + 1, res[11])
 
     @gluon.jit
+    def _gluon_query_range_of_tiles(TILES, OUT, BLOCK_M: gl.constexpr, BLOCK_TOKENS: gl.constexpr,
+                                    CAUSAL: gl.constexpr, SAFEGUARD: gl.constexpr):
+        """flamia_hopper's copy (_key_tile, the Gluon backward's)."""
+        res = flamia.flamia_hopper._key_tile(TILES, BLOCK_M, BLOCK_TOKENS, CAUSAL, SAFEGUARD)
+        gl.store(OUT + gl.program_id(0) * 2, res[7])
+        gl.store(OUT + gl.program_id(0) * 2 + 1, res[8])
+
+    @gluon.jit
     def _gluon_exp2_int(E, OUT, N: gl.constexpr):
         offs = gl.arange(0, N, layout=gl.BlockedLayout([N // 32], [32], [1], [0]))
         gl.store(OUT + offs, flamia.flamia_hopper._exp2_int(gl.load(E + offs)))
+
+
+@triton.jit
+def _query_range_of_tiles(TILES, OUT, BLOCK_M: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+                          CAUSAL: tl.constexpr, SAFEGUARD: tl.constexpr):
+    """flamia's query range of key tile program_id(0), as the tl dK/dV kernel computes it."""
+    row = TILES + tl.program_id(0) * 8
+    k_start, k_end = tl.load(row + 0), tl.load(row + 1)
+    kd_start, kd_end = tl.load(row + 2), tl.load(row + 3)
+    q_len = tl.load(row + 5) - tl.load(row + 4)
+    q_lo, q_mid = flamia._query_range(k_start - kd_start, k_end - kd_start, q_len,
+                                      (kd_end - kd_start) - q_len, BLOCK_M, BLOCK_TOKENS, CAUSAL,
+                                      SAFEGUARD)
+    tl.store(OUT + tl.program_id(0) * 2, q_lo)
+    tl.store(OUT + tl.program_id(0) * 2 + 1, q_mid)
 
 
 @triton.jit
@@ -2013,9 +2036,9 @@ def _exp2_int_of(E, OUT, N: tl.constexpr):
 
 @needs_gluon
 def test_gluon_copies_of_the_rules_are_bitwise_flamias():
-    """Gluon cannot call tl functions, so flamia_hopper.py keeps a copy of flamia's key range with
-    the causal safeguard (_work_item) and of _exp2_int. They must be the same functions: over query
-    tiles of packed documents (self-attention and bottom-right-aligned cross-attention with shifts
+    """Gluon cannot call tl functions, so flamia_hopper.py keeps copies of flamia's key range with
+    the causal safeguard (the forward's _work_item), of its query range (the backward's _key_tile)
+    and of _exp2_int. They must be the same functions: over query and key tiles of packed documents (self-attention and bottom-right-aligned cross-attention with shifts
     that are and are not multiples of B_t), every block_tokens, both key-tile widths, causal or
     not, safeguard on or off, and every E8M0 exponent, bitwise."""
     cases = [((700, 33, 1, 290, 129, 0, 512), None), ((100, 300, 257), (150, 428, 257)),
@@ -2034,6 +2057,16 @@ def test_gluon_copies_of_the_rules_are_bitwise_flamias():
                                                              num_warps=1)
                 assert torch.equal(got, want), (lens_q, lens_k, causal, bn, bt, sg, got, want)
                 checked += tiles.shape[0]
+            key_tiles = plan.tiles(flamia.flamia_hopper.BWD_BLOCK_N, "k", causal)
+            for bm, bt, sg in ((bm, bt, sg) for bm in (32, 64) for bt in (1, 32, 64, 128, 256)
+                               for sg in (True, False)):
+                want = torch.full((key_tiles.shape[0], 2), -1, dtype=torch.int32, device=DEVICE)
+                got = want.clone()
+                _query_range_of_tiles[(key_tiles.shape[0],)](key_tiles, want, bm, bt, causal, sg)
+                _gluon_query_range_of_tiles[(key_tiles.shape[0],)](key_tiles, got, bm, bt, causal,
+                                                                   sg, num_warps=1)
+                assert torch.equal(got, want), (lens_q, lens_k, causal, bm, bt, sg, got, want)
+                checked += key_tiles.shape[0]
     assert checked > 500
     e = torch.arange(1, 257, dtype=torch.int32, device=DEVICE).clamp(max=254)
     want, got = torch.empty(256, device=DEVICE), torch.empty(256, device=DEVICE)
