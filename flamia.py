@@ -2,47 +2,23 @@
 FLAMIA: FLAsh MIcroscaling Attention -- FP8 / MXFP8 flash attention for training causal language
 models on packed variable-length documents, causally safe by construction.
 
-A single-file reimplementation of the method of "FLAMIA: FLAsh MIcroscaling Attention for Fast and
-Causally Safe Training on Blackwell" (arXiv 2611.03344). Only the abstract is public: everything
-here is derived from it, from public analyses of the low-precision leak (MatX, TransformerEngine
-#3248, cuDNN-frontend #983/#1123) and from measurements on an H200 (numbers: README). Sections:
+A single-file reimplementation of "FLAMIA: FLAsh MIcroscaling Attention for Fast and Causally Safe
+Training on Blackwell" (arXiv 2611.03344). Only the abstract is public: everything here is derived
+from it, from public analyses of the low-precision leak (MatX, TransformerEngine #3248,
+cuDNN-frontend #983/#1123) and from measurements on an H200. Sections:
 
   1. formats          E4M3 + E8M0 scales (MXFP8); NVFP4 (E2M1 + E4M3 + FP32); MXFP4 (E2M1 + E8M0)
   2. scaling & plan   token-block, document-local scaling; recipes; the Plan (the varlen scheduler)
   3. quantizers       PyTorch references and the fused Triton quantizers (bit-identical)
   4. reference oracle what every recipe computes (P in fp32), plus exact fp64 attention
-  5. kernels          fused Triton forward (5a) and backward (5b), with the causal safeguard
+  5. kernels          the variant of a call; fused Triton forward (5a) and backward (5b)
   6. public API       custom ops + autograd: flamia_attn_varlen_func, flamia_attn_func
   6b. transformers    flamia_hf_attention_fn: a Hugging Face attention backend, packed rows too
   7. auditor          audit_causality: a bitwise leak test for any attention implementation
   8. interpreter      numerics fixes for Triton's CPU interpreter (applied whenever it runs)
 The optional companion flamia_hopper.py holds a Hopper-only warp-specialized Gluon forward
-(backend="gluon"; on sm_90 the default where it is fastest); this file alone is complete.
-
-The leak, in one paragraph. A scale shared by several tokens is a function of all of them. If key
-j's quantized value depends on a later token j' of its block, a query i with j <= i < j' sees the
-future through j's rounding. FLAMIA therefore (a) scales Q per token, (b) scales K and V per block
-of `block_tokens` consecutive tokens of ONE document and ONE head (blocks restart at every document
-start, so nothing crosses documents), and (c) applies a *targeted safeguard*: the (query, key) pairs
-whose key block straddles the query position -- only on the diagonal -- use a per-token quantized
-copy of K and V. Every statistic over the sequence (the softmax max, V's reference exponent) is
-taken per query row over that row's visible keys only.
-
-Limitations
-  * head_dim 64 or 128; q, k, v bf16 or fp16; documents given by int32 cu_seqlens.
-  * Causal alignment when seqlen_q != seqlen_k is bottom-right (as flash-attn).
-  * Non-finite inputs: a block holding inf/NaN gets a NaN scale, so every output that depends on it
-    is NaN, never finite garbage (a NaN key also reaches the earlier rows of its key tile through
-    0 * NaN in the P V MMA). check_finite=True raises instead (one host sync per call).
-  * FP4 recipes put K in FP4 (Q, V in MXFP8). On Hopper, and for nvfp4 everywhere, FP4 is emulated
-    exactly with bf16 MMAs (tl.dot_scaled takes no E4M3 block scales); mxfp4 reaches Blackwell's
-    E4M3 x E2M1 tensor cores through backend="dot_scaled".
-  * The backward of every quantized recipe runs bf16 MMAs on the forward's operands, dequantized
-    exactly, and on dO as given (on Hopper an fp8 variant measured slower: section 5b).
-
-What ran where: every kernel runs in CI under Triton's CPU interpreter and on an H200 (sm_90). The
-Blackwell path (backend="dot_scaled", E8M0 scales inside the MMA) has run under the interpreter
-and through Triton's bf16 emulation on Hopper, never on a Blackwell GPU.
+(backend="gluon"); this file alone is complete. The leak and the safeguard: section 2; limits
+and what ran where: README.
 """
 import collections
 import functools
@@ -986,19 +962,17 @@ def attention_fp64(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True, sof
 # ---------------------------------------------------------------------------------------------
 # 5. Kernels. First, the variant: what computes a call
 # ---------------------------------------------------------------------------------------------
-# Every choice of what runs -- backend, forward kernel, K's format in it, tile sizes, the safeguard's
-# mode per kernel, or why a requested backend cannot compute the call -- is made here, once per
-# call, by variant(); the launchers (5a, 5b) only read its Variant.
+# Every choice of what runs -- backend, forward kernel, K's format in it, tiles, the safeguard's
+# mode per kernel, or why a requested backend cannot compute the call -- is made once per call by
+# variant(); the launchers (5a, 5b) only read its Variant.
 #
-# TILES: the tile configurations, one row per head dim (a head dim joins here and in HEAD_DIMS;
-# one without a row is refused: shared memory and registers grow with D). The tl.dot ones are
-# `bench.py --tune`'s on the H200 at D=128 (D=64 reuses them): fp8 wants long key tiles (P V
-# contracts over BLOCK_N) and one warpgroup per 64 query rows, narrow diagonal tiles (MASKED_N) help
-# packed documents, bigger query tiles in dK/dV spill; the FP4 emulation (bf16 Q K^T) is not tuned
-# for speed. Blackwell (`bench.py --sm100`, never timed): Triton lowers tl.dot_scaled to the MX
-# block-scaled MMA only for >= 128 query rows (with 64 it decomposes Q K^T into a bf16 MMA on K
-# upcast in registers), with the widest key tiles that compile without spills at 8 warps; the
-# H200's dK/dV tiles spill there (tcgen05's pipeline keeps more state live): 64 keys, one stage.
+# TILES, one row per head dim (a head dim joins here and in HEAD_DIMS; one without a row is
+# refused). The tl.dot tiles are `bench.py --tune`'s on the H200 at D=128 (D=64 reuses them): fp8
+# wants long key tiles (P V contracts over BLOCK_N) and a warpgroup per 64 query rows, narrow
+# diagonal tiles (MASKED_N) help packed documents, bigger query tiles in dK/dV spill; the FP4
+# emulation is not tuned. Blackwell (`bench.py --sm100`, never timed): Triton lowers tl.dot_scaled
+# to the MX block-scaled MMA only for >= 128 query rows (with 64 it upcasts K to a bf16 MMA), with
+# the widest key tiles that compile without spills; the H200's dK/dV tiles spill there: 64 keys.
 class Tiles(NamedTuple):
     fwd: dict  # recipe -> (BLOCK_M, BLOCK_N, MASKED_N, num_warps, num_stages) of the tl.dot forward
     fwd_sm100: dict  # the same, tl.dot_scaled forward on Blackwell
@@ -1017,8 +991,7 @@ TILES = {  # D=128, per pair: three stages of four bf16 key tiles need 256 KiB o
 }
 
 
-class Variant(NamedTuple):
-    """What computes one call (see variant())."""
+class Variant(NamedTuple):  # what computes one call
     recipe: Recipe
     backend: str  # the forward's: "wgmma", "dot_scaled" or "gluon" (one backward serves all three)
     refusal: Optional[str] = None  # why the requested backend cannot compute the call (ValueError)
@@ -1046,11 +1019,9 @@ def _is_blackwell(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 10
 
 
-# The Hopper-specific forward (backend="gluon"): flamia_hopper.py, an FA3-style warp-specialized
-# Gluon kernel (TMA producer warp, two consumer warpgroups, async wgmma) on the same operands, with
-# the same function and safeguard, for bf16 and mxfp8 on sm_90 with triton 3.6, in 128 x 128 tiles.
-# It is optional: where it is absent or cannot run, backend="gluon" is refused with the reason,
-# never replaced, and the default takes the tl forward, saying why once.
+# backend="gluon": flamia_hopper.py, an FA3-style warp-specialized Gluon forward on the same
+# operands (same function and safeguard; bf16, mxfp8; sm_90, triton 3.6; 128 x 128 tiles). Optional:
+# where it cannot run, backend="gluon" is refused with the reason, never replaced.
 _GLUON_IMPORT_ERROR = None
 try:
     import flamia_hopper
@@ -1083,12 +1054,11 @@ def _backend_refusal(r: Recipe, backend: Optional[str]) -> Optional[str]:
 
 def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool = True,
             safeguard: bool = True, backend: Optional[str] = None) -> Variant:
-    """The Variant of a call on q-like x (its GPU, dtype and head dim). backend=None chooses: on
-    Blackwell (sm_100+) dot_scaled for the MX recipes (E8M0 scales in the tensor cores; nvfp4's E4M3
-    block scales are no tl.dot_scaled input); on Hopper the Gluon forward for mxfp8 with block_tokens
-    a multiple of 128 at head_dim 128, where it measured fastest on the H200, if it can compute the
-    call (else the tl forward, saying why once); wgmma otherwise. Without a plan the safeguard modes,
-    and the refusals that depend on them, are not known (None)."""
+    """The Variant of a call on q-like x (its GPU, dtype, head dim). backend=None: on Blackwell
+    dot_scaled for the MX recipes (nvfp4's E4M3 block scales are no tl.dot_scaled input); on Hopper
+    Gluon for mxfp8 with block_tokens a multiple of 128 at head_dim 128 (fastest there on the H200)
+    if it can compute the call, else the tl forward, saying why once; wgmma otherwise. Without a
+    plan the safeguard modes, and the refusals that depend on them, are not known (None)."""
     r, D = _RECIPES[recipe], x.shape[-1]
     row = TILES.get(D)
     if row is None:
@@ -2244,10 +2214,7 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     rotate_qk: multiply Q and K by a +-1 Hadamard matrix with random signs before quantizing
         (same S, less quantization error when head-dim channels have outliers).
     backend: "wgmma" (fp8 tl.dot, scales outside the MMA), "dot_scaled" (E8M0 scales inside the
-        MMA) or "gluon" (flamia_hopper.py's warp-specialized Hopper forward, bf16 / mxfp8); default:
-        dot_scaled on Blackwell (sm_100+) for mxfp8 / mxfp4; on Hopper gluon for mxfp8 with
-        block_tokens a multiple of 128 at head_dim 128 (where it measured fastest) when it can
-        compute the call (else wgmma, with a one-time warning saying why); wgmma otherwise.
+        MMA) or "gluon" (flamia_hopper.py's Hopper forward); default: chosen per call (variant()).
     plan: flamia_plan(cu_seqlens_q, cu_seqlens_k), built once per batch and shared by all layers;
         without it each call finds or builds one (a host sync when it builds). With a plan, the
         cu_seqlens may be None (the plan's own); others than the plan's are refused (ValueError).
@@ -2312,10 +2279,9 @@ def flamia_attn_func(q, k, v, *, causal=True, softmax_scale=None, recipe="mxfp8"
 # position_ids restarting at every document, plus cu_seq_lens_q/k and max_length_q/k when the
 # collator is built with return_flash_attn_kwargs=True; attention_mask is then None. An adapter
 # that ignores them attends across documents: the leak FLAMIA exists to prevent. So the documents
-# come from cu_seq_lens_q/k, else from position_ids, else each row is one document. Every layer of
-# a forward gets the same cu_seq_lens / position_ids tensor object, so the Plan is built on the
-# first layer (one host read) and found by every later one and by the backward. No import of
-# transformers: the function is duck-typed to its calling convention (checked with 5.x).
+# come from cu_seq_lens_q/k, else from position_ids (a new one wherever they restart), else one per
+# row. Every layer gets the same tensor object, so the Plan is built on the first layer (one host
+# read) and found by the others and the backward. transformers is not imported (duck-typed, 5.x).
 _HF_PLANS = {}  # id(a batch's cu_seq_lens_q or position_ids) -> (stamp, Plan), while that tensor lives
 
 
@@ -2352,12 +2318,10 @@ def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BL
         AttentionInterface.register("flamia", flamia_hf_attention_fn("mxfp8", block_tokens=32))
         AttentionMaskInterface.register("flamia", transformers.masking_utils.flash_attention_mask)
     The second line matters: without a mask function for the name, transformers DROPS a padding
-    mask before any custom attention sees it; with flash_attention_mask it arrives (2-D) and is
-    refused. Documents: cu_seq_lens_q/k if given, else position_ids (a new document wherever they
-    restart), else one per row. Refused with a ValueError (never silently wrong): a padding or 4-D
-    attention_mask, dropout > 0, sliding windows, logit softcapping, query length != key length (a
-    KV cache; FLAMIA is for training and full-sequence forwards). Non-causal modules (is_causal
-    False) get per-document full attention. GQA is native; scaling is the softmax scale."""
+    mask before any custom attention sees it; with flash_attention_mask it arrives and is refused.
+    Refused with a ValueError (never silently wrong): a padding or 4-D attention_mask, dropout > 0,
+    sliding windows, logit softcapping, query length != key length (a KV cache). Non-causal modules
+    get per-document full attention; GQA is native; scaling is the softmax scale."""
     _check_options(recipe, block_tokens, options.get("backend"))
 
     def flamia_hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
