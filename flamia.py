@@ -411,7 +411,7 @@ def padded_tokens(total: int, n_docs: int) -> int:
     """Token length of a token-transposed layout (H, D, T_padded): a bound on the 16-aligned
     documents that depends on shapes only (the custom op's fake implementation cannot read
     cu_seqlens), rounded up to 128 tokens so that every channel row starts on a 128-byte cache line
-    (unaligned rows measured 5-10% slower in the forward on the H200)."""
+    (unaligned rows measured slower in the forward on the H200)."""
     return max(-(-(total + (PAD_ALIGN - 1) * n_docs) // 128) * 128, 128)
 
 
@@ -899,16 +899,13 @@ def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True
                         rotate_qk=False, return_lse=False):
     """q (Tq, H, D), k and v (Tk, Hk, D) packed documents -> o (Tq, H, D) [, lse (H, Tq) ln].
 
-    Computes in fp32 (fp64 if q is fp64) on the recipe's dequantized operands, P unrounded (the
-    kernels round P for the P V MMA: section 4's comment):
+    In fp32 (fp64 if q is fp64) on the recipe's dequantized operands, P unrounded (section 4):
       "bf16":  the inputs as they are.
       "mxfp8": Q per token, K and V per `block_tokens` block of one document (E4M3 + E8M0); with
-               the safeguard, a (query i, key j) pair whose key block also holds the position of i
-               uses per-token quantized k_j, v_j (safeguard=False is the leaky setting).
+               the safeguard, pairs that straddle use per-token quantized k_j, v_j.
       "nvfp4" / "mxfp4": K in that FP4 format (per token: never straddles), Q and V as in mxfp8.
-    rotate_qk: first multiply Q and K by qk_rotation. Causal alignment is bottom-right within
-    each document. Rows without any visible key give 0 (and LSE -inf).
-    """
+    rotate_qk: first multiply Q and K by qk_rotation. Causal: bottom-right within each document.
+    Rows without any visible key give 0 (and LSE -inf)."""
     cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
     if recipe not in _RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
