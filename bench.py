@@ -674,7 +674,7 @@ def sm100_launches(kind, recipe, backend, D, block_tokens, T=512, H=2):
             flamia._attn_backward(do, q, k, v, o, lse, ops, plan, var, **kw)
     finally:
         JITFunction.run, flamia._is_blackwell = run, is_blackwell
-    names = ("_attn_fwd",) if kind == "fwd" else ("_attn_bwd_dkdv", "_attn_bwd_dq")
+    names = ("_attn_fwd", "_attn_fwd_blackwell") if kind == "fwd" else ("_attn_bwd_dkdv", "_attn_bwd_dq")
     return [c for c in calls if c[0].__name__ in names]
 
 

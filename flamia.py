@@ -2,47 +2,23 @@
 FLAMIA: FLAsh MIcroscaling Attention -- FP8 / MXFP8 flash attention for training causal language
 models on packed variable-length documents, causally safe by construction.
 
-A single-file reimplementation of the method of "FLAMIA: FLAsh MIcroscaling Attention for Fast and
-Causally Safe Training on Blackwell" (arXiv 2611.03344). Only the abstract is public: everything
-here is derived from it, from public analyses of the low-precision leak (MatX, TransformerEngine
-#3248, cuDNN-frontend #983/#1123) and from measurements on an H200 (numbers: README). Sections:
+A single-file reimplementation of "FLAMIA: FLAsh MIcroscaling Attention for Fast and Causally Safe
+Training on Blackwell" (arXiv 2611.03344). Only the abstract is public: everything here is derived
+from it, from public analyses of the low-precision leak (MatX, TransformerEngine #3248,
+cuDNN-frontend #983/#1123) and from measurements on an H200. Sections:
 
   1. formats          E4M3 + E8M0 scales (MXFP8); NVFP4 (E2M1 + E4M3 + FP32); MXFP4 (E2M1 + E8M0)
   2. scaling & plan   token-block, document-local scaling; recipes; the Plan (the varlen scheduler)
   3. quantizers       PyTorch references and the fused Triton quantizers (bit-identical)
   4. reference oracle what every recipe computes (P in fp32), plus exact fp64 attention
-  5. kernels          fused Triton forward (5a) and backward (5b), with the causal safeguard
+  5. kernels          the variant of a call; fused Triton forward (5a) and backward (5b)
   6. public API       custom ops + autograd: flamia_attn_varlen_func, flamia_attn_func
   6b. transformers    flamia_hf_attention_fn: a Hugging Face attention backend, packed rows too
   7. auditor          audit_causality: a bitwise leak test for any attention implementation
   8. interpreter      numerics fixes for Triton's CPU interpreter (applied whenever it runs)
 The optional companion flamia_hopper.py holds a Hopper-only warp-specialized Gluon forward
-(backend="gluon"; on sm_90 the default where it is fastest); this file alone is complete.
-
-The leak, in one paragraph. A scale shared by several tokens is a function of all of them. If key
-j's quantized value depends on a later token j' of its block, a query i with j <= i < j' sees the
-future through j's rounding. FLAMIA therefore (a) scales Q per token, (b) scales K and V per block
-of `block_tokens` consecutive tokens of ONE document and ONE head (blocks restart at every document
-start, so nothing crosses documents), and (c) applies a *targeted safeguard*: the (query, key) pairs
-whose key block straddles the query position -- only on the diagonal -- use a per-token quantized
-copy of K and V. Every statistic over the sequence (the softmax max, V's reference exponent) is
-taken per query row over that row's visible keys only.
-
-Limitations
-  * head_dim 64 or 128; q, k, v bf16 or fp16; documents given by int32 cu_seqlens.
-  * Causal alignment when seqlen_q != seqlen_k is bottom-right (as flash-attn).
-  * Non-finite inputs: a block holding inf/NaN gets a NaN scale, so every output that depends on it
-    is NaN, never finite garbage (a NaN key also reaches the earlier rows of its key tile through
-    0 * NaN in the P V MMA). check_finite=True raises instead (one host sync per call).
-  * FP4 recipes put K in FP4 (Q, V in MXFP8). On Hopper, and for nvfp4 everywhere, FP4 is emulated
-    exactly with bf16 MMAs (tl.dot_scaled takes no E4M3 block scales); mxfp4 reaches Blackwell's
-    E4M3 x E2M1 tensor cores through backend="dot_scaled".
-  * The backward of every quantized recipe runs bf16 MMAs on the forward's operands, dequantized
-    exactly, and on dO as given (on Hopper an fp8 variant measured slower: section 5b).
-
-What ran where: every kernel runs in CI under Triton's CPU interpreter and on an H200 (sm_90). The
-Blackwell path (backend="dot_scaled", E8M0 scales inside the MMA) has run under the interpreter
-and through Triton's bf16 emulation on Hopper, never on a Blackwell GPU.
+(backend="gluon"); this file alone is complete. The leak and the safeguard: section 2; limits
+and what ran where: README.
 """
 import collections
 import functools
@@ -435,7 +411,7 @@ def padded_tokens(total: int, n_docs: int) -> int:
     """Token length of a token-transposed layout (H, D, T_padded): a bound on the 16-aligned
     documents that depends on shapes only (the custom op's fake implementation cannot read
     cu_seqlens), rounded up to 128 tokens so that every channel row starts on a 128-byte cache line
-    (unaligned rows measured 5-10% slower in the forward on the H200)."""
+    (unaligned rows measured slower in the forward on the H200)."""
     return max(-(-(total + (PAD_ALIGN - 1) * n_docs) // 128) * 128, 128)
 
 
@@ -923,16 +899,13 @@ def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True
                         rotate_qk=False, return_lse=False):
     """q (Tq, H, D), k and v (Tk, Hk, D) packed documents -> o (Tq, H, D) [, lse (H, Tq) ln].
 
-    Computes in fp32 (fp64 if q is fp64) on the recipe's dequantized operands, P unrounded (the
-    kernels round P for the P V MMA: section 4's comment):
+    In fp32 (fp64 if q is fp64) on the recipe's dequantized operands, P unrounded (section 4):
       "bf16":  the inputs as they are.
       "mxfp8": Q per token, K and V per `block_tokens` block of one document (E4M3 + E8M0); with
-               the safeguard, a (query i, key j) pair whose key block also holds the position of i
-               uses per-token quantized k_j, v_j (safeguard=False is the leaky setting).
+               the safeguard, pairs that straddle use per-token quantized k_j, v_j.
       "nvfp4" / "mxfp4": K in that FP4 format (per token: never straddles), Q and V as in mxfp8.
-    rotate_qk: first multiply Q and K by qk_rotation. Causal alignment is bottom-right within
-    each document. Rows without any visible key give 0 (and LSE -inf).
-    """
+    rotate_qk: first multiply Q and K by qk_rotation. Causal: bottom-right within each document.
+    Rows without any visible key give 0 (and LSE -inf)."""
     cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
     if recipe not in _RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
@@ -986,19 +959,17 @@ def attention_fp64(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True, sof
 # ---------------------------------------------------------------------------------------------
 # 5. Kernels. First, the variant: what computes a call
 # ---------------------------------------------------------------------------------------------
-# Every choice of what runs -- backend, forward kernel, K's format in it, tile sizes, the safeguard's
-# mode per kernel, or why a requested backend cannot compute the call -- is made here, once per
-# call, by variant(); the launchers (5a, 5b) only read its Variant.
+# Every choice of what runs -- backend, forward kernel, K's format in it, tiles, the safeguard's
+# mode per kernel, or why a requested backend cannot compute the call -- is made once per call by
+# variant(); the launchers (5a, 5b) only read its Variant.
 #
-# TILES: the tile configurations, one row per head dim (a head dim joins here and in HEAD_DIMS;
-# one without a row is refused: shared memory and registers grow with D). The tl.dot ones are
-# `bench.py --tune`'s on the H200 at D=128 (D=64 reuses them): fp8 wants long key tiles (P V
-# contracts over BLOCK_N) and one warpgroup per 64 query rows, narrow diagonal tiles (MASKED_N) help
-# packed documents, bigger query tiles in dK/dV spill; the FP4 emulation (bf16 Q K^T) is not tuned
-# for speed. Blackwell (`bench.py --sm100`, never timed): Triton lowers tl.dot_scaled to the MX
-# block-scaled MMA only for >= 128 query rows (with 64 it decomposes Q K^T into a bf16 MMA on K
-# upcast in registers), with the widest key tiles that compile without spills at 8 warps; the
-# H200's dK/dV tiles spill there (tcgen05's pipeline keeps more state live): 64 keys, one stage.
+# TILES, one row per head dim (a head dim joins here and in HEAD_DIMS; one without a row is
+# refused). The tl.dot tiles are `bench.py --tune`'s on the H200 at D=128 (D=64 reuses them): fp8
+# wants long key tiles (P V contracts over BLOCK_N) and a warpgroup per 64 query rows, narrow
+# diagonal tiles (MASKED_N) help packed documents, bigger query tiles in dK/dV spill; the FP4
+# emulation is not tuned. Blackwell (`bench.py --sm100`, never timed): Triton lowers tl.dot_scaled
+# to the MX block-scaled MMA only for >= 128 query rows (with 64 it upcasts K to a bf16 MMA), with
+# the widest key tiles that compile without spills; the H200's dK/dV tiles spill there: 64 keys.
 class Tiles(NamedTuple):
     fwd: dict  # recipe -> (BLOCK_M, BLOCK_N, MASKED_N, num_warps, num_stages) of the tl.dot forward
     fwd_sm100: dict  # the same, tl.dot_scaled forward on Blackwell
@@ -1017,12 +988,11 @@ TILES = {  # D=128, per pair: three stages of four bf16 key tiles need 256 KiB o
 }
 
 
-class Variant(NamedTuple):
-    """What computes one call (see variant())."""
+class Variant(NamedTuple):  # what computes one call
     recipe: Recipe
     backend: str  # the forward's: "wgmma", "dot_scaled" or "gluon" (one backward serves all three)
     refusal: Optional[str] = None  # why the requested backend cannot compute the call (ValueError)
-    kernel: object = None  # the tl forward kernel (None: Gluon's)
+    kernel: object = None  # the tl forward: _attn_fwd or _attn_fwd_blackwell (None: Gluon's)
     tma: bool = False  # the forward reads Q, K, V through TMA descriptors (dot_scaled on Blackwell)
     k_format: str = None  # K as the tl forward reads it (5a): bf16, e4m3, fp4_decoded, fp4_packed
     copies: bool = False  # the safeguard's per-token copies of K and V are made (_token_copies)
@@ -1047,11 +1017,9 @@ def _is_blackwell(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 10
 
 
-# The Hopper-specific forward (backend="gluon"): flamia_hopper.py, an FA3-style warp-specialized
-# Gluon kernel (TMA producer warp, two consumer warpgroups, async wgmma) on the same operands, with
-# the same function and safeguard, for bf16 and mxfp8 on sm_90 with triton 3.6, in 128 x 128 tiles.
-# It is optional: where it is absent or cannot run, backend="gluon" is refused with the reason,
-# never replaced, and the default takes the tl forward, saying why once.
+# backend="gluon": flamia_hopper.py, an FA3-style warp-specialized Gluon forward on the same
+# operands (same function and safeguard; bf16, mxfp8; sm_90, triton 3.6; 128 x 128 tiles). Optional:
+# where it cannot run, backend="gluon" is refused with the reason, never replaced.
 _GLUON_IMPORT_ERROR = None
 try:
     import flamia_hopper
@@ -1085,15 +1053,14 @@ def _backend_refusal(r: Recipe, backend: Optional[str]) -> Optional[str]:
 def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool = True,
             safeguard: bool = True, backend: Optional[str] = None,
             deterministic: bool = False) -> Variant:
-    """The Variant of a call on q-like x (its GPU, dtype and head dim). backend=None chooses: on
-    Blackwell (sm_100+) dot_scaled for the MX recipes (E8M0 scales in the tensor cores; nvfp4's E4M3
-    block scales are no tl.dot_scaled input); on Hopper the Gluon forward for mxfp8 with block_tokens
-    a multiple of 128 at head_dim 128, where it measured fastest on the H200, if it can compute the
-    call (else the tl forward, saying why once); wgmma otherwise. The backward: Gluon's (64-query x
-    128-key tiles, dQ by atomics) with backend="gluon", and by default at head_dim 64 on Hopper
-    where it measured faster than the tl kernels (at 128 it spills registers and is slower), when it
-    can compute the call; the tl kernels otherwise and with deterministic=True. Without a plan the
-    safeguard modes, and the refusals that depend on them, are not known (None)."""
+    """The Variant of a call on q-like x (its GPU, dtype, head dim). backend=None: on Blackwell
+    dot_scaled for the MX recipes (nvfp4's E4M3 block scales are no tl.dot_scaled input); on Hopper
+    Gluon for mxfp8 with block_tokens a multiple of 128 at head_dim 128 (fastest there on the H200)
+    if it can compute the call, else the tl forward, saying why once; wgmma otherwise. The backward:
+    Gluon's (64-query x 128-key tiles, dQ by atomics) with backend="gluon", and by default at head_dim
+    64 on Hopper (faster there than the tl kernels; at 128 it spills registers and is slower), when
+    it can compute the call; the tl kernels otherwise and with deterministic=True. Without a plan
+    the safeguard modes, and the refusals that depend on them, are not known (None)."""
     r, D = _RECIPES[recipe], x.shape[-1]
     row = TILES.get(D)
     if row is None:
@@ -1138,14 +1105,16 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
         if gluon_unavailable_reason() is None and plan is not None and flamia_hopper.unsupported_reason(
                 recipe, x.dtype, mode(gluon_dkdv[:2])) is None:
             bwd, dkdv, modes = "gluon", gluon_dkdv, (modes[0], mode(gluon_dkdv[:2]), None)
-    kernel = None if backend == "gluon" else _attn_fwd
+    kernel = {"wgmma": _attn_fwd, "dot_scaled": _attn_fwd_blackwell}.get(backend)
     return Variant(r, backend, None, kernel, tma, k_format, copies, fwd, dkdv, dq, modes, bwd)
 
 
 # ---------------------------------------------------------------------------------------------
-# 5a. Forward kernel
+# 5a. Forward kernels
 # ---------------------------------------------------------------------------------------------
-# One program = one query tile (BLOCK_M rows of one document, from the Plan) x one query head.
+# Two kernels, one per hardware path, sharing their steps: _attn_fwd (tl.dot: Hopper's fp8 wgmma,
+# the interpreter, any GPU) and _attn_fwd_blackwell (tl.dot_scaled, TMA). One program = one query
+# tile (BLOCK_M rows of one document, from the Plan) x one query head.
 # Online softmax over the document's key tiles, in the base-2 domain (s2 = S * log2(e)):
 #
 #   for each key tile j:           (first the tiles every row sees fully, then the masked ones)
@@ -1170,8 +1139,7 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
 # K comes in four formats (K_FORMAT): "bf16" (recipe bf16), "e4m3" (MXFP8), "fp4_decoded" (FP4
 # values times their block scales, decoded to bf16 on the host -- exact, 6 significant bits -- with
 # the FP32 second level as a per-key factor: an exact emulation for GPUs without FP4 MMAs) and
-# "fp4_packed" (E2M1 + E8M0 for tl.dot_scaled). DOT_SCALED: Q K^T through tl.dot_scaled, E8M0
-# scales applied inside the MMA (Blackwell's MX tensor cores).
+# "fp4_packed" (E2M1 + E8M0 for tl.dot_scaled, the Blackwell kernel's).
 @triton.jit
 def _e8m0_blocks(e, D: tl.constexpr):
     """tl.dot_scaled's scale operand for per-row scales: the E8M0 byte for each 32 head-dim
@@ -1284,55 +1252,28 @@ def _key_range(first, end, k_len, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.conste
 
 
 @triton.jit
-def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n,
-                   K, KB, EK, V, EV, KS, EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt,
-                   D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-                   CAUSAL: tl.constexpr, MASKED: tl.constexpr, K_FORMAT: tl.constexpr,
-                   PAIR_SAFEGUARD: tl.constexpr, DOT_SCALED: tl.constexpr, ONE_SCALE: tl.constexpr):
-    """One key tile at document-local offset start_n (pointers: at the document start and head).
-    ek, ev are its scales, loaded one step ahead: Triton software-pipelines only the loads that
-    feed a dot, so the step issues the next tile's scale loads first and their latency hides
-    behind this tile's MMAs. ONE_SCALE: ek, ev are scalars, folded into per-row factors (two
-    multiplies per element of S saved)."""
-    QUANT: tl.constexpr = K_FORMAT != "bf16"
-    start_n = tl.multiple_of(start_n, BLOCK_N)
-    offs_n = start_n + tl.arange(0, BLOCK_N)  # document-local key positions
-    kmask = offs_n < k_len
-    ek_next, ev_next = _key_scales(EK, EV, start_n + BLOCK_N, k_len, v_len, BLOCK_N, K_FORMAT,
-                                   ONE_SCALE, DOT_SCALED)
-    # s = Q K^T with K's (column) scales; Q's row factor qscale (> 0) is applied inside the exp2's
-    # FMA below, after the row max: max_j(s * qscale) = qscale * max_j(s) exactly.
-    if K_FORMAT == "fp4_packed":  # E4M3 x E2M1, both with E8M0 block scales, in the tensor core
-        k = _load_keys(K, start_n, k_len, HK * D // 2, D // 2, BLOCK_N, 0)
-        k_e8 = _load_keys(KB, start_n, k_len, HK * D // 32, D // 32, BLOCK_N, 127)
-        s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), k_e8, "e2m1") * ek[None, :]
-    else:
-        k = _load_keys(K, start_n, k_len, HK * D, D, BLOCK_N)
-        if DOT_SCALED:
-            s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), _e8m0_blocks(ek, D), "e4m3")
-        else:
-            s = tl.dot(q, tl.trans(k))
-            if K_FORMAT == "fp4_decoded":
-                s = s * ek[None, :]
-            elif QUANT and ONE_SCALE:  # K's one scale joins the row factor (a power of two: exact)
-                qscale = qscale * _exp2_int(ek)
-            elif QUANT:
-                s = s * _exp2_int(ek)[None, :]
+def _visible_pairs(kmask, offs_n, pos_q, BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
+                   PAIR_SAFEGUARD: tl.constexpr):
+    """(queries x keys) of a masked tile: the visible pairs, and those of them whose key block
+    straddles the query position (per-token K, V), or the visible ones again without the safeguard."""
+    visible = kmask[None, :]
+    if CAUSAL:
+        visible = visible & (offs_n[None, :] <= pos_q[:, None])
+    same = visible
+    if PAIR_SAFEGUARD:
+        same = visible & _straddles(pos_q[:, None], offs_n[None, :], BLOCK_TOKENS)
+    return visible, same
+
+
+@triton.jit
+def _softmax_pv(acc, l_i, m_i, ref_i, s, qscale, ev, visible, same, start_n, V, VS, EVS, v_len,
+                stride_vd, stride_vt, D: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
+                MASKED: tl.constexpr, PAIR_SAFEGUARD: tl.constexpr, ONE_SCALE: tl.constexpr,
+                WORDS: tl.constexpr):
+    """The online softmax and acc += P V for one key tile's scores s, both kernels': pairs that are
+    not `visible` (MASKED tiles) masked out; Q's row factor qscale (> 0) applied inside the exp2's
+    FMA, after the row max: max_j(s * qscale) = qscale * max_j(s) exactly."""
     if MASKED:
-        visible = kmask[None, :]
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= pos_q[:, None])
-        if PAIR_SAFEGUARD:  # pairs whose key block straddles the query position: per-token K, V
-            same = visible & _straddles(pos_q[:, None], offs_n[None, :], BLOCK_TOKENS)
-            if K_FORMAT == "e4m3":  # FP4 K is per token already: only V has a per-token copy
-                ks = _load_keys(KS, start_n, k_len, HK * D, D, BLOCK_N)
-                eks = _load_e8m0(EKS, start_n, v_len, 127, BLOCK_N, DOT_SCALED)
-                if DOT_SCALED:
-                    s_tok = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(ks), _e8m0_blocks(eks, D),
-                                          "e4m3")
-                else:
-                    s_tok = tl.dot(q, tl.trans(ks)) * _exp2_int(eks.to(tl.int32))[None, :]
-                s = tl.where(same, s_tok, s)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qscale)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
@@ -1341,7 +1282,7 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n
         if MASKED:  # ref_i: the max of V's exponents over the keys each row SEES
             ev_seen = tl.where(visible, ev[None, :], -1000)
             if PAIR_SAFEGUARD:
-                ev_tok = _load_e8m0(EVS, start_n, v_len, 1, BLOCK_N, DOT_SCALED) - 127
+                ev_tok = _load_e8m0(EVS, start_n, v_len, 1, BLOCK_N, WORDS) - 127
                 ev_seen = tl.where(same, ev_tok[None, :], ev_seen)
             ref_new = tl.maximum(ref_i, tl.max(ev_seen, 1))
         elif ONE_SCALE:
@@ -1382,20 +1323,13 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_values(V, start_n, v_len, stride_vd, stride_vt, D, BLOCK_N, MASKED)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-    return acc, l_i, m_new, ref_i, ek_next, ev_next
+    return acc, l_i, m_new, ref_i
 
 
 @triton.jit
-def _attn_fwd(
-        Q, EQ, K, KB, EK, V, EV, KS, EKS, VS, EVS,  # operands (see _attn_forward); *S: per token
-        O, LSE, TILES,  # outputs (Tq, H, D) and (H, Tq) natural-log LSE; the Plan's query tiles
-        stride_vh, stride_vd, stride_vt,  # V: token-transposed (H, D, T_pad) if fp8, else (T, H, D)
-        sm_scale_log2, T_Q, T_K, H, HK,  # softmax scale * log2(e); token and head counts
-        T_QPAD, T_KPAD,  # lengths of the padded token layouts (E8M0 rows, V^T)
-        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED_N: tl.constexpr,
-        BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, K_FORMAT: tl.constexpr,
-        SAFEGUARD: tl.constexpr, DOT_SCALED: tl.constexpr, TMA: tl.constexpr):
-    QUANT: tl.constexpr = K_FORMAT != "bf16"
+def _query_tile(TILES, H, HK, BLOCK_M: tl.constexpr):
+    """A program's query tile (a row of the Plan's table) and query head: the tile's rows, their
+    document's start, its key document, the causal shift and each row's position on the key axis."""
     tile, h = tl.program_id(0), tl.program_id(1)
     hk = h // (H // HK)  # GQA: consecutive query heads share a K/V head
     row = TILES + tile * 8
@@ -1407,28 +1341,25 @@ def _attn_fwd(
     offs_m = q_start + tl.arange(0, BLOCK_M)
     qmask = offs_m < q_end
     pos_q = offs_m - qd_start + shift  # each row's position on the document's key axis
-    if TMA:  # Blackwell, dot_scaled: TMA boxes of exactly this tile's rows (zeros past q_end)
-        q = tl.make_tensor_descriptor(Q + (q_start * H + h) * D, [q_end - q_start, D], [H * D, 1],
-                                      [BLOCK_M, D]).load([0, 0])
-    else:
-        q = tl.load(Q + (offs_m[:, None] * H + h) * D + tl.arange(0, D)[None, :],
-                    mask=qmask[:, None], other=0.0)
-    q_e8 = q  # unused unless DOT_SCALED
-    qscale = tl.full((BLOCK_M,), sm_scale_log2, tl.float32)  # S's row factor
-    if QUANT:  # Q's E8M0 row, from the tile's 16-aligned column to the document's padded end
-        q_col = tl.multiple_of(tl.load(row + OWN_PAD) + (q_start - qd_start), 16)
-        eq = _load_e8m0(EQ + h * T_QPAD + q_col, 0, _pad16_dev(q_end - q_start), 127, BLOCK_M,
-                        DOT_SCALED)
-    if DOT_SCALED:  # the tensor core applies Q's scale: the row factor is the softmax scale alone
-        q_e8 = _e8m0_blocks(eq, D)
-    elif QUANT:
-        qscale *= _exp2_int(eq.to(tl.int32))
-        if K_FORMAT == "fp4_decoded":  # K is bf16: E4M3 -> bf16 is exact
-            q = q.to(tl.bfloat16)
-    # Pointers at this document's first key and this K/V head. fp8 V is token-transposed, the
-    # document starting at OTHER_PAD (16-aligned) and zero-padded to a multiple of 16 keys.
+    return h, hk, row, q_start, q_end, qd_start, kd_start, k_len, shift, offs_m, qmask, pos_q
+
+
+@triton.jit
+def _q_exponents(EQ, row, h, q_start, q_end, qd_start, T_QPAD, BLOCK_M: tl.constexpr,
+                 WORDS: tl.constexpr):
+    """Q's E8M0 row, from the tile's 16-aligned column to the document's padded end."""
+    q_col = tl.multiple_of(tl.load(row + OWN_PAD) + (q_start - qd_start), 16)
+    return _load_e8m0(EQ + h * T_QPAD + q_col, 0, _pad16_dev(q_end - q_start), 127, BLOCK_M, WORDS)
+
+
+@triton.jit
+def _kv_pointers(K, KB, EK, V, EV, KS, EKS, VS, EVS, row, hk, kd_start, k_len, HK, T_K, T_KPAD,
+                 stride_vh, stride_vt, D: tl.constexpr, K_FORMAT: tl.constexpr):
+    """Pointers at this document's first key and this K/V head, and V's length v_len. fp8 V is
+    token-transposed, the document starting at OTHER_PAD (16-aligned) and zero-padded to a multiple
+    of 16 keys; E8M0 rows are padded the same way."""
     v_base, v_len = kd_start, k_len
-    if QUANT:
+    if K_FORMAT != "bf16":
         v_base = tl.multiple_of(tl.load(row + OTHER_PAD), 16)
         v_len = tl.multiple_of(_pad16_dev(k_len), 16)
     if K_FORMAT == "fp4_packed":
@@ -1436,48 +1367,27 @@ def _attn_fwd(
     else:
         k_row = (kd_start * HK + hk) * D
     K, KS, KB = K + k_row, KS + k_row, KB + (kd_start * HK + hk) * (D // 32)
-    e_row = hk * T_KPAD + v_base  # E8M0 rows: padded, like V^T
+    e_row = hk * T_KPAD + v_base
     # K's scale row, the same for K and its per-token copy KS (the safeguard may read either): E8M0
     # in the padded layout, or FP4's token-indexed (HK, Tk) fp32 second level (then KS is K itself).
     ek_row = e_row if K_FORMAT == "e4m3" else hk * T_K + kd_start
     EK, EKS = EK + ek_row, EKS + ek_row
     EV, EVS = EV + e_row, EVS + e_row
     V, VS = V + hk * stride_vh + v_base * stride_vt, VS + hk * stride_vh + v_base * stride_vt
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    ref_i = tl.full((BLOCK_M,), -100, tl.int32)  # V's reference exponent; 2^(8 - ref) stays finite
-    acc = tl.zeros((BLOCK_M, D), tl.float32)
-    n_full, n_end = _key_range(q_start - qd_start + shift, q_end - qd_start + shift, k_len, BLOCK_N,
-                               BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
-    # Unmasked key tiles lie inside one scale block when B_t is a multiple of BLOCK_N (both are
-    # aligned to the document start): then their scales are scalars.
-    ONE_SCALE: tl.constexpr = K_FORMAT == "e4m3" and not DOT_SCALED and BLOCK_TOKENS % BLOCK_N == 0
-    K1, V1 = K, V
-    if TMA:
-        K1, V1 = _kv_descriptors(K, V, k_len, v_len, HK, stride_vd, D, BLOCK_N, K_FORMAT)
-    ek, ev = _key_scales(EK, EV, 0, k_len, v_len, BLOCK_N, K_FORMAT, ONE_SCALE, DOT_SCALED)
-    for start_n in range(0, n_full, BLOCK_N):
-        acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_step(
-            acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n,
-            K1, KB, EK, V1, EV, KS, EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt,
-            D=D, BLOCK_N=BLOCK_N, BLOCK_TOKENS=BLOCK_TOKENS, CAUSAL=CAUSAL, MASKED=False,
-            K_FORMAT=K_FORMAT, PAIR_SAFEGUARD=False, DOT_SCALED=DOT_SCALED, ONE_SCALE=ONE_SCALE)
-    # Masked tiles (the diagonal) are MASKED_N keys wide: narrower tiles there waste fewer masked
-    # pairs and keep the mask and safeguard temporaries within the register budget.
-    if SAFEGUARD == "tile":  # every masked tile lies in the query tile's own key block
-        K, EK, V, EV = KS, EKS, VS, EVS
-    if TMA:  # the masked tiles' boxes are MASKED_N keys wide
-        K, V = _kv_descriptors(K, V, k_len, v_len, HK, stride_vd, D, MASKED_N, K_FORMAT)
-        if SAFEGUARD == "pair":
-            KS, VS = _kv_descriptors(KS, VS, k_len, v_len, HK, stride_vd, D, MASKED_N, K_FORMAT)
-    ek, ev = _key_scales(EK, EV, n_full, k_len, v_len, MASKED_N, K_FORMAT, False, DOT_SCALED)
-    for start_n in range(n_full, n_end, MASKED_N):
-        acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_step(
-            acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n,
-            K, KB, EK, V, EV, KS, EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt,
-            D=D, BLOCK_N=MASKED_N, BLOCK_TOKENS=BLOCK_TOKENS, CAUSAL=CAUSAL, MASKED=True,
-            K_FORMAT=K_FORMAT, PAIR_SAFEGUARD=SAFEGUARD == "pair", DOT_SCALED=DOT_SCALED,
-            ONE_SCALE=False)
+    return K, KB, EK, V, EV, KS, EKS, VS, EVS, v_len
+
+
+@triton.jit
+def _fwd_state(BLOCK_M: tl.constexpr, D: tl.constexpr):
+    """The running row max m, sum l, V's reference exponent ref (2^(8 - ref) stays finite) and O."""
+    return (tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
+            tl.full((BLOCK_M,), -100, tl.int32), tl.zeros((BLOCK_M, D), tl.float32))
+
+
+@triton.jit
+def _fwd_store(acc, l_i, m_i, ref_i, O, LSE, offs_m, qmask, h, H, T_Q, D: tl.constexpr,
+               QUANT: tl.constexpr):
+    """O = acc / l and the natural-log LSE (-inf, and O = 0, for rows that saw no key)."""
     if QUANT:
         acc = acc * _exp2_int(ref_i + 119)[:, None]  # back from units of 2^(ref - 8)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -1486,6 +1396,174 @@ def _attn_fwd(
     tl.store(O + (offs_m[:, None] * H + h) * D + tl.arange(0, D)[None, :],
              (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=qmask[:, None])
     tl.store(LSE + h * T_Q + offs_m, lse, mask=qmask)
+
+
+# The portable forward (backend="wgmma": Hopper's fp8 wgmma, any other GPU, the interpreter): Q K^T
+# through tl.dot with the scales outside the MMA. One step = one key tile at document-local offset
+# start_n; ek, ev are its scales, loaded one step ahead: Triton software-pipelines only the loads
+# that feed a dot, so the step issues the next tile's scale loads first and their latency hides
+# behind this tile's MMAs. ONE_SCALE: ek, ev are scalars, folded into per-row factors (two
+# multiplies per element of S saved).
+@triton.jit
+def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, qscale, pos_q, start_n,
+                   K, EK, V, EV, KS, EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt,
+                   D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+                   CAUSAL: tl.constexpr, MASKED: tl.constexpr, K_FORMAT: tl.constexpr,
+                   PAIR_SAFEGUARD: tl.constexpr, ONE_SCALE: tl.constexpr):
+    QUANT: tl.constexpr = K_FORMAT != "bf16"
+    start_n = tl.multiple_of(start_n, BLOCK_N)
+    offs_n = start_n + tl.arange(0, BLOCK_N)  # document-local key positions
+    kmask = offs_n < k_len
+    ek_next, ev_next = _key_scales(EK, EV, start_n + BLOCK_N, k_len, v_len, BLOCK_N, K_FORMAT,
+                                   ONE_SCALE, False)
+    k = _load_keys(K, start_n, k_len, HK * D, D, BLOCK_N)
+    s = tl.dot(q, tl.trans(k))  # with K's (column) scales:
+    if K_FORMAT == "fp4_decoded":
+        s = s * ek[None, :]
+    elif QUANT and ONE_SCALE:  # K's one scale joins the row factor (a power of two: exact)
+        qscale = qscale * _exp2_int(ek)
+    elif QUANT:
+        s = s * _exp2_int(ek)[None, :]
+    visible, same = _visible_pairs(kmask, offs_n, pos_q, BLOCK_TOKENS, CAUSAL, PAIR_SAFEGUARD)
+    if MASKED and PAIR_SAFEGUARD and K_FORMAT == "e4m3":  # FP4 K is per token: only V has a copy
+        ks = _load_keys(KS, start_n, k_len, HK * D, D, BLOCK_N)
+        eks = _load_e8m0(EKS, start_n, v_len, 127, BLOCK_N, False)
+        s = tl.where(same, tl.dot(q, tl.trans(ks)) * _exp2_int(eks.to(tl.int32))[None, :], s)
+    acc, l_i, m_i, ref_i = _softmax_pv(acc, l_i, m_i, ref_i, s, qscale, ev, visible, same, start_n,
+                                       V, VS, EVS, v_len, stride_vd, stride_vt, D, BLOCK_N, QUANT,
+                                       MASKED, PAIR_SAFEGUARD, ONE_SCALE, False)
+    return acc, l_i, m_i, ref_i, ek_next, ev_next
+
+
+@triton.jit
+def _attn_fwd(
+        Q, EQ, K, KB, EK, V, EV, KS, EKS, VS, EVS,  # operands (see _attn_forward); *S: per token
+        O, LSE, TILES,  # outputs (Tq, H, D) and (H, Tq) natural-log LSE; the Plan's query tiles
+        stride_vh, stride_vd, stride_vt,  # V: token-transposed (H, D, T_pad) if fp8, else (T, H, D)
+        sm_scale_log2, T_Q, T_K, H, HK,  # softmax scale * log2(e); token and head counts
+        T_QPAD, T_KPAD,  # lengths of the padded token layouts (E8M0 rows, V^T)
+        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED_N: tl.constexpr,
+        BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, K_FORMAT: tl.constexpr,
+        SAFEGUARD: tl.constexpr):
+    """The portable forward; K_FORMAT bf16, e4m3 or fp4_decoded (KB, FP4's block scales, unused)."""
+    QUANT: tl.constexpr = K_FORMAT != "bf16"
+    h, hk, row, q_start, q_end, qd_start, kd_start, k_len, shift, offs_m, qmask, pos_q = (
+        _query_tile(TILES, H, HK, BLOCK_M))
+    q = tl.load(Q + (offs_m[:, None] * H + h) * D + tl.arange(0, D)[None, :],
+                mask=qmask[:, None], other=0.0)
+    qscale = tl.full((BLOCK_M,), sm_scale_log2, tl.float32)  # S's row factor, and Q's scale:
+    if QUANT:
+        eq = _q_exponents(EQ, row, h, q_start, q_end, qd_start, T_QPAD, BLOCK_M, False)
+        qscale *= _exp2_int(eq.to(tl.int32))
+        if K_FORMAT == "fp4_decoded":  # K is bf16: E4M3 -> bf16 is exact
+            q = q.to(tl.bfloat16)
+    K, KB, EK, V, EV, KS, EKS, VS, EVS, v_len = _kv_pointers(
+        K, KB, EK, V, EV, KS, EKS, VS, EVS, row, hk, kd_start, k_len, HK, T_K, T_KPAD, stride_vh,
+        stride_vt, D, K_FORMAT)
+    m_i, l_i, ref_i, acc = _fwd_state(BLOCK_M, D)
+    n_full, n_end = _key_range(q_start - qd_start + shift, q_end - qd_start + shift, k_len, BLOCK_N,
+                               BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
+    # Unmasked key tiles lie inside one scale block when B_t is a multiple of BLOCK_N (both are
+    # aligned to the document start): then their scales are scalars.
+    ONE_SCALE: tl.constexpr = K_FORMAT == "e4m3" and BLOCK_TOKENS % BLOCK_N == 0
+    ek, ev = _key_scales(EK, EV, 0, k_len, v_len, BLOCK_N, K_FORMAT, ONE_SCALE, False)
+    for start_n in range(0, n_full, BLOCK_N):
+        acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_step(
+            acc, l_i, m_i, ref_i, ek, ev, q, qscale, pos_q, start_n, K, EK, V, EV, KS, EKS, VS,
+            EVS, k_len, v_len, HK, stride_vd, stride_vt, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False,
+            K_FORMAT, False, ONE_SCALE)
+    # Masked tiles (the diagonal) are MASKED_N keys wide: narrower tiles there waste fewer masked
+    # pairs and keep the mask and safeguard temporaries within the register budget.
+    if SAFEGUARD == "tile":  # every masked tile lies in the query tile's own key block
+        K, EK, V, EV = KS, EKS, VS, EVS
+    ek, ev = _key_scales(EK, EV, n_full, k_len, v_len, MASKED_N, K_FORMAT, False, False)
+    for start_n in range(n_full, n_end, MASKED_N):
+        acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_step(
+            acc, l_i, m_i, ref_i, ek, ev, q, qscale, pos_q, start_n, K, EK, V, EV, KS, EKS, VS,
+            EVS, k_len, v_len, HK, stride_vd, stride_vt, D, MASKED_N, BLOCK_TOKENS, CAUSAL, True,
+            K_FORMAT, SAFEGUARD == "pair", False)
+    _fwd_store(acc, l_i, m_i, ref_i, O, LSE, offs_m, qmask, h, H, T_Q, D, QUANT)
+
+
+# The Blackwell forward (backend="dot_scaled": sm_100's MX tensor cores; elsewhere Triton emulates
+# tl.dot_scaled, TMA off): Q K^T through tl.dot_scaled with the E8M0 scales inside the MMA, K as
+# E4M3 (e4m3) or E2M1 (fp4_packed, E8M0 block scales KB); with TMA, Q, K, V come through
+# per-document tensor descriptors; E8M0 rows are read in 32-bit words. The same steps as above.
+@triton.jit
+def _attn_fwd_blackwell_step(acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n,
+                             K, KB, EK, V, EV, KS, EKS, VS, EVS, k_len, v_len, HK, stride_vd,
+                             stride_vt, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
+                             MASKED: tl.constexpr, K_FORMAT: tl.constexpr,
+                             PAIR_SAFEGUARD: tl.constexpr):
+    start_n = tl.multiple_of(start_n, BLOCK_N)
+    offs_n = start_n + tl.arange(0, BLOCK_N)  # document-local key positions
+    kmask = offs_n < k_len
+    ek_next, ev_next = _key_scales(EK, EV, start_n + BLOCK_N, k_len, v_len, BLOCK_N, K_FORMAT,
+                                   False, True)
+    if K_FORMAT == "fp4_packed":  # E4M3 x E2M1, both with E8M0 block scales
+        k = _load_keys(K, start_n, k_len, HK * D // 2, D // 2, BLOCK_N, 0)
+        k_e8 = _load_keys(KB, start_n, k_len, HK * D // 32, D // 32, BLOCK_N, 127)
+        s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), k_e8, "e2m1") * ek[None, :]
+    else:
+        k = _load_keys(K, start_n, k_len, HK * D, D, BLOCK_N)
+        s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), _e8m0_blocks(ek, D), "e4m3")
+    visible, same = _visible_pairs(kmask, offs_n, pos_q, BLOCK_TOKENS, CAUSAL, PAIR_SAFEGUARD)
+    if MASKED and PAIR_SAFEGUARD and K_FORMAT == "e4m3":  # FP4 K is per token: only V has a copy
+        ks = _load_keys(KS, start_n, k_len, HK * D, D, BLOCK_N)
+        eks = _load_e8m0(EKS, start_n, v_len, 127, BLOCK_N, True)
+        s_tok = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(ks), _e8m0_blocks(eks, D), "e4m3")
+        s = tl.where(same, s_tok, s)
+    acc, l_i, m_i, ref_i = _softmax_pv(acc, l_i, m_i, ref_i, s, qscale, ev, visible, same, start_n,
+                                       V, VS, EVS, v_len, stride_vd, stride_vt, D, BLOCK_N, True,
+                                       MASKED, PAIR_SAFEGUARD, False, True)
+    return acc, l_i, m_i, ref_i, ek_next, ev_next
+
+
+@triton.jit
+def _attn_fwd_blackwell(Q, EQ, K, KB, EK, V, EV, KS, EKS, VS, EVS, O, LSE, TILES,  # as _attn_fwd's
+        stride_vh, stride_vd, stride_vt, sm_scale_log2, T_Q, T_K, H, HK, T_QPAD, T_KPAD,
+        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED_N: tl.constexpr,
+        BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, K_FORMAT: tl.constexpr,
+        SAFEGUARD: tl.constexpr, TMA: tl.constexpr):
+    h, hk, row, q_start, q_end, qd_start, kd_start, k_len, shift, offs_m, qmask, pos_q = (
+        _query_tile(TILES, H, HK, BLOCK_M))
+    if TMA:  # TMA boxes of exactly this tile's rows (zeros past q_end)
+        q = tl.make_tensor_descriptor(Q + (q_start * H + h) * D, [q_end - q_start, D], [H * D, 1],
+                                      [BLOCK_M, D]).load([0, 0])
+    else:
+        q = tl.load(Q + (offs_m[:, None] * H + h) * D + tl.arange(0, D)[None, :],
+                    mask=qmask[:, None], other=0.0)
+    qscale = tl.full((BLOCK_M,), sm_scale_log2, tl.float32)  # the MMA applies Q's scale
+    q_e8 = _e8m0_blocks(_q_exponents(EQ, row, h, q_start, q_end, qd_start, T_QPAD, BLOCK_M, True), D)
+    K, KB, EK, V, EV, KS, EKS, VS, EVS, v_len = _kv_pointers(
+        K, KB, EK, V, EV, KS, EKS, VS, EVS, row, hk, kd_start, k_len, HK, T_K, T_KPAD, stride_vh,
+        stride_vt, D, K_FORMAT)
+    n_full, n_end = _key_range(q_start - qd_start + shift, q_end - qd_start + shift, k_len, BLOCK_N,
+                               BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
+    m_i, l_i, ref_i, acc = _fwd_state(BLOCK_M, D)
+    K1, V1 = K, V
+    if TMA:
+        K1, V1 = _kv_descriptors(K, V, k_len, v_len, HK, stride_vd, D, BLOCK_N, K_FORMAT)
+    ek, ev = _key_scales(EK, EV, 0, k_len, v_len, BLOCK_N, K_FORMAT, False, True)
+    for start_n in range(0, n_full, BLOCK_N):
+        acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_blackwell_step(
+            acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n, K1, KB, EK, V1, EV, KS,
+            EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D, BLOCK_N, BLOCK_TOKENS, CAUSAL,
+            False, K_FORMAT, False)
+    if SAFEGUARD == "tile":
+        K, EK, V, EV = KS, EKS, VS, EVS
+    if TMA:  # the masked tiles' boxes are MASKED_N keys wide
+        K, V = _kv_descriptors(K, V, k_len, v_len, HK, stride_vd, D, MASKED_N, K_FORMAT)
+        if SAFEGUARD == "pair":
+            KS, VS = _kv_descriptors(KS, VS, k_len, v_len, HK, stride_vd, D, MASKED_N, K_FORMAT)
+    ek, ev = _key_scales(EK, EV, n_full, k_len, v_len, MASKED_N, K_FORMAT, False, True)
+    for start_n in range(n_full, n_end, MASKED_N):
+        acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_blackwell_step(
+            acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n, K, KB, EK, V, EV, KS,
+            EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D, MASKED_N, BLOCK_TOKENS, CAUSAL,
+            True, K_FORMAT, SAFEGUARD == "pair")
+    _fwd_store(acc, l_i, m_i, ref_i, O, LSE, offs_m, qmask, h, H, T_Q, D, True)
 
 
 def _decode_fp4(ops, dtype: torch.dtype) -> torch.Tensor:
@@ -1537,8 +1615,8 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
             *operands, o, lse, tiles, *strides_v, softmax_scale * 1.4426950408889634,  # log2(e)
             Tq, Tk, H, HK, plan.padded_q, plan.padded_k, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
             MASKED_N=MASKED_N, BLOCK_TOKENS=block_tokens, CAUSAL=causal, K_FORMAT=var.k_format,
-            SAFEGUARD=var.modes[0], DOT_SCALED=var.backend == "dot_scaled", TMA=var.tma,
-            num_warps=warps, num_stages=stages)
+            SAFEGUARD=var.modes[0], num_warps=warps, num_stages=stages,
+            **(dict(TMA=var.tma) if var.kernel is _attn_fwd_blackwell else {}))
     return o, lse
 
 
@@ -1782,11 +1860,8 @@ def _attn_bwd_dq_step(dq, q, do, lse2, delta, pos_q, start_n, K, V, KS, VS, K_SC
     s = tl.dot(q, tl.trans(k))
     dp = tl.dot(do, tl.trans(v))
     if MASKED:
-        visible = kmask[None, :]
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= pos_q[:, None])
+        visible, same = _visible_pairs(kmask, offs_n, pos_q, BLOCK_TOKENS, CAUSAL, PAIR_SAFEGUARD)
         if PAIR_SAFEGUARD:
-            same = visible & _straddles(pos_q[:, None], offs_n[None, :], BLOCK_TOKENS)
             if not K_SCALED:  # FP4 K is per token: its own copy
                 ks = _load_keys(KS, start_n, k_len, HK * D, D, BLOCK_N)
                 s = tl.where(same, tl.dot(q, tl.trans(ks)), s)
@@ -1815,17 +1890,8 @@ def _attn_bwd_dq(
         sm_scale, T_Q, T_K, H, HK,
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
         CAUSAL: tl.constexpr, SAFEGUARD: tl.constexpr, K_SCALED: tl.constexpr):
-    tile, h = tl.program_id(0), tl.program_id(1)
-    hk = h // (H // HK)
-    row = TILES + tile * 8
-    q_start, q_end = tl.load(row + TILE_START), tl.load(row + TILE_END)
-    qd_start, qd_end = tl.load(row + OWN_START), tl.load(row + OWN_END)
-    kd_start, kd_end = tl.load(row + OTHER_START), tl.load(row + OTHER_END)
-    k_len = kd_end - kd_start
-    shift = k_len - (qd_end - qd_start)
-    offs_m = q_start + tl.arange(0, BLOCK_M)
-    qmask = offs_m < q_end
-    pos_q = offs_m - qd_start + shift
+    h, hk, row, q_start, q_end, qd_start, kd_start, k_len, shift, offs_m, qmask, pos_q = (
+        _query_tile(TILES, H, HK, BLOCK_M))
     ptrs = (offs_m[:, None] * H + h) * D + tl.arange(0, D)[None, :]
     q = tl.load(Q + ptrs, mask=qmask[:, None], other=0.0)
     do = tl.load(DO + ptrs, mask=qmask[:, None], other=0.0)
@@ -2175,13 +2241,9 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     rotate_qk: multiply Q and K by a +-1 Hadamard matrix with random signs before quantizing
         (same S, less quantization error when head-dim channels have outliers).
     backend: "wgmma" (fp8 tl.dot, scales outside the MMA), "dot_scaled" (E8M0 scales inside the
-        MMA) or "gluon" (flamia_hopper.py's warp-specialized Hopper forward, bf16 / mxfp8); default:
-        dot_scaled on Blackwell (sm_100+) for mxfp8 / mxfp4; on Hopper gluon for mxfp8 with
-        block_tokens a multiple of 128 at head_dim 128 (where it measured fastest) when it can
-        compute the call (else wgmma, with a one-time warning saying why); wgmma otherwise.
-        The backward: with backend="gluon", and by default at head_dim 64 on Hopper, Gluon's.
-    deterministic: the backward's tl kernels, bitwise reproducible (Gluon's adds dQ with fp32
-        atomics, whose order varies: last-bit differences from run to run).
+        MMA) or "gluon" (flamia_hopper.py's Hopper kernels); default: chosen per call (variant()).
+    deterministic: the backward's tl kernels, bitwise reproducible (Gluon's backward, the default at
+        head_dim 64 on Hopper, adds dQ with fp32 atomics: last-bit differences from run to run).
     plan: flamia_plan(cu_seqlens_q, cu_seqlens_k), built once per batch and shared by all layers;
         without it each call finds or builds one (a host sync when it builds). With a plan, the
         cu_seqlens may be None (the plan's own); others than the plan's are refused (ValueError).
@@ -2247,10 +2309,9 @@ def flamia_attn_func(q, k, v, *, causal=True, softmax_scale=None, recipe="mxfp8"
 # position_ids restarting at every document, plus cu_seq_lens_q/k and max_length_q/k when the
 # collator is built with return_flash_attn_kwargs=True; attention_mask is then None. An adapter
 # that ignores them attends across documents: the leak FLAMIA exists to prevent. So the documents
-# come from cu_seq_lens_q/k, else from position_ids, else each row is one document. Every layer of
-# a forward gets the same cu_seq_lens / position_ids tensor object, so the Plan is built on the
-# first layer (one host read) and found by every later one and by the backward. No import of
-# transformers: the function is duck-typed to its calling convention (checked with 5.x).
+# come from cu_seq_lens_q/k, else from position_ids (a new one wherever they restart), else one per
+# row. Every layer gets the same tensor object, so the Plan is built on the first layer (one host
+# read) and found by the others and the backward. transformers is not imported (duck-typed, 5.x).
 _HF_PLANS = {}  # id(a batch's cu_seq_lens_q or position_ids) -> (stamp, Plan), while that tensor lives
 
 
@@ -2287,12 +2348,10 @@ def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BL
         AttentionInterface.register("flamia", flamia_hf_attention_fn("mxfp8", block_tokens=32))
         AttentionMaskInterface.register("flamia", transformers.masking_utils.flash_attention_mask)
     The second line matters: without a mask function for the name, transformers DROPS a padding
-    mask before any custom attention sees it; with flash_attention_mask it arrives (2-D) and is
-    refused. Documents: cu_seq_lens_q/k if given, else position_ids (a new document wherever they
-    restart), else one per row. Refused with a ValueError (never silently wrong): a padding or 4-D
-    attention_mask, dropout > 0, sliding windows, logit softcapping, query length != key length (a
-    KV cache; FLAMIA is for training and full-sequence forwards). Non-causal modules (is_causal
-    False) get per-document full attention. GQA is native; scaling is the softmax scale."""
+    mask before any custom attention sees it; with flash_attention_mask it arrives and is refused.
+    Refused with a ValueError (never silently wrong): a padding or 4-D attention_mask, dropout > 0,
+    sliding windows, logit softcapping, query length != key length (a KV cache). Non-causal modules
+    get per-document full attention; GQA is native; scaling is the softmax scale."""
     _check_options(recipe, block_tokens, options.get("backend"))
 
     def flamia_hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,

@@ -2745,6 +2745,7 @@ def test_old_interpreter_refused_with_the_version_needed():
 BW_CONFIGS = ["fwd-mxfp8-bt1-D128", "fwd-mxfp8-bt32-D128", "fwd-mxfp8-bt128-D128", "fwd-mxfp4-bt1-D128",
               "fwd-mxfp4-bt32-D128", "fwd-bf16-bt1-D128", "bwd-mxfp8-bt1-D128", "bwd-mxfp8-bt32-D128",
               "bwd-mxfp8-bt128-D128", "bwd-mxfp4-bt32-D128", "fwd-mxfp8-bt32-D64", "bwd-mxfp8-bt32-D64"]
+BW_FWD = "_attn_fwd_blackwell"  # the MX recipes' forward there (backend="dot_scaled"); bf16's is _attn_fwd
 
 
 def _blackwell_toolchain():
@@ -2800,18 +2801,19 @@ def test_blackwell_forward_uses_block_scaled_mma(bw_facts, config):
     Triton's silent decomposition of tl.dot_scaled (K upcast in registers), taken for query tiles
     under 128 rows. With the per-pair safeguard (bt32) the per-token diagonal MMAs are block-scaled
     too, so there are more of them."""
-    f = _fact(bw_facts, config, "_attn_fwd")
+    f = _fact(bw_facts, config, BW_FWD)
     assert any(k.startswith("mxf8f6f4.block_scale") for k in f["mma_kinds"]), "Q K^T not block-scaled: " + f["what"]
     assert "f8f6f4" in f["mma_kinds"], "P V is not an fp8 MMA: " + f["what"]
     assert "f16" not in f["mma_kinds"], "a bf16 MMA remains (tl.dot_scaled decomposed): " + f["what"]
     if config == "fwd-mxfp8-bt32-D128":
-        base = _fact(bw_facts, "fwd-mxfp8-bt1-D128", "_attn_fwd")
+        base = _fact(bw_facts, "fwd-mxfp8-bt1-D128", BW_FWD)
         assert f["n_block_scaled"] > base["n_block_scaled"], "the safeguard's MMAs are not block-scaled"
 
 
 @needs_bw
 @pytest.mark.parametrize("config,kernel", [
-    (c, k) for c in BW_CONFIGS for k in (("_attn_fwd",) if c.startswith("fwd") else ("_attn_bwd_dkdv", "_attn_bwd_dq"))])
+    (c, k) for c in BW_CONFIGS for k in ((BW_FWD if c.startswith("fwd-mx") else "_attn_fwd",) if c.startswith("fwd")
+                                         else ("_attn_bwd_dkdv", "_attn_bwd_dq"))])
 def test_blackwell_no_register_spills(bw_facts, config, kernel):
     """Every kernel fits the register file (ptxas -v with Triton's flags: 0 bytes spilled) and runs
     its MMAs on tcgen05 (no mma.sync fallback)."""
@@ -2825,7 +2827,7 @@ def test_blackwell_no_register_spills(bw_facts, config, kernel):
 def test_blackwell_forward_tma(bw_facts, config):
     """Q, K and V (and the safeguard's per-token copies) come through TMA: per-document tensor
     descriptors built in the kernel (tl.make_tensor_descriptor)."""
-    f = _fact(bw_facts, config, "_attn_fwd")
+    f = _fact(bw_facts, config, BW_FWD)
     assert f["tma"], "no cp.async.bulk.tensor (TMA): " + f["what"]
 
 
@@ -2834,7 +2836,7 @@ def test_blackwell_forward_tma(bw_facts, config):
 def test_blackwell_scales_in_wide_loads(bw_facts, config):
     """The E8M0 rows (padded token layout: every document starts 16-aligned) are read in 32-bit
     words, never byte by byte."""
-    f = _fact(bw_facts, config, "_attn_fwd")
+    f = _fact(bw_facts, config, BW_FWD)
     assert f["byte_loads"] == 0, f"{f['byte_loads']} byte-wide global loads: " + f["what"]
 
 
@@ -2845,7 +2847,7 @@ def test_blackwell_scales_in_wide_loads(bw_facts, config):
                    "per-pair safeguard 'PassManager::run failed' in TritonGPUAutomaticWarpSpecialization; "
                    "on one loop only: 'PassManager::run failed' in TritonGPUHoistTMEMAlloc (post-pipeline)")
 def test_blackwell_forward_warp_specialized(bw_facts):
-    f = _fact(bw_facts, "fwd-mxfp8-bt1-D128", "_attn_fwd")
+    f = _fact(bw_facts, "fwd-mxfp8-bt1-D128", BW_FWD)
     assert f["warp_specialized"] and f["partitions"] > 1, "one partition: " + f["what"]
 
 
