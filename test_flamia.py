@@ -13,6 +13,7 @@ prints the max / mean absolute difference (and the relative L2 error where a tol
 import contextlib
 import csv
 import functools
+import itertools
 import re
 import math
 import types
@@ -2038,35 +2039,29 @@ def _exp2_int_of(E, OUT, N: tl.constexpr):
 def test_gluon_copies_of_the_rules_are_bitwise_flamias():
     """Gluon cannot call tl functions, so flamia_hopper.py keeps copies of flamia's key range with
     the causal safeguard (the forward's _work_item), of its query range (the backward's _key_tile)
-    and of _exp2_int. They must be the same functions: over query and key tiles of packed documents (self-attention and bottom-right-aligned cross-attention with shifts
-    that are and are not multiples of B_t), every block_tokens, both key-tile widths, causal or
-    not, safeguard on or off, and every E8M0 exponent, bitwise."""
+    and of _exp2_int. They must be the same functions: over query and key tiles of packed documents
+    (self-attention and bottom-right-aligned cross-attention with shifts that are and are not
+    multiples of B_t), every block_tokens, two tile widths each, causal or not, safeguard on or
+    off, and every E8M0 exponent, bitwise."""
     cases = [((700, 33, 1, 290, 129, 0, 512), None), ((100, 300, 257), (150, 428, 257)),
              ((5, 128, 200), (133, 256, 456))]
-    checked = 0
+    checked, fh = 0, flamia.flamia_hopper
     for lens_q, lens_k in cases:
         plan = flamia.Plan(cu_of(lens_q), cu_of(lens_k) if lens_k else None)
-        for causal in (True, False):
-            tiles = plan.tiles(flamia.flamia_hopper.BLOCK_M, "q", causal)
-            for bn, bt, sg in ((bn, bt, sg) for bn in (64, 128) for bt in (1, 32, 64, 128, 256)
-                               for sg in (True, False)):
-                want = torch.full((tiles.shape[0], 2), -1, dtype=torch.int32, device=DEVICE)
-                got = want.clone()
-                _key_range_of_tiles[(tiles.shape[0],)](tiles, want, bn, bt, causal, sg)
-                _gluon_key_range_of_tiles[(tiles.shape[0],)](tiles, got, bn, bt, causal, sg,
-                                                             num_warps=1)
-                assert torch.equal(got, want), (lens_q, lens_k, causal, bn, bt, sg, got, want)
-                checked += tiles.shape[0]
-            key_tiles = plan.tiles(flamia.flamia_hopper.BWD_BLOCK_N, "k", causal)
-            for bm, bt, sg in ((bm, bt, sg) for bm in (32, 64) for bt in (1, 32, 64, 128, 256)
-                               for sg in (True, False)):
-                want = torch.full((key_tiles.shape[0], 2), -1, dtype=torch.int32, device=DEVICE)
-                got = want.clone()
-                _query_range_of_tiles[(key_tiles.shape[0],)](key_tiles, want, bm, bt, causal, sg)
-                _gluon_query_range_of_tiles[(key_tiles.shape[0],)](key_tiles, got, bm, bt, causal,
-                                                                   sg, num_warps=1)
-                assert torch.equal(got, want), (lens_q, lens_k, causal, bm, bt, sg, got, want)
-                checked += key_tiles.shape[0]
+        for causal in (True, False):  # the forward's query tiles, the backward's key tiles
+            for side, rows, rule, copy, widths in (
+                    ("q", fh.BLOCK_M, _key_range_of_tiles, _gluon_key_range_of_tiles, (64, 128)),
+                    ("k", fh.BWD_BLOCK_N, _query_range_of_tiles, _gluon_query_range_of_tiles,
+                     (32, 64))):
+                tiles = plan.tiles(rows, side, causal)
+                n = tiles.shape[0]
+                for w, bt, sg in itertools.product(widths, (1, 32, 64, 128, 256), (True, False)):
+                    want = torch.full((n, 2), -1, dtype=torch.int32, device=DEVICE)
+                    got = want.clone()
+                    rule[(n,)](tiles, want, w, bt, causal, sg)
+                    copy[(n,)](tiles, got, w, bt, causal, sg, num_warps=1)
+                    assert torch.equal(got, want), (side, lens_q, lens_k, causal, w, bt, sg)
+                    checked += n
     assert checked > 500
     e = torch.arange(1, 257, dtype=torch.int32, device=DEVICE).clamp(max=254)
     want, got = torch.empty(256, device=DEVICE), torch.empty(256, device=DEVICE)
