@@ -37,17 +37,15 @@ import triton.language as tl
 # 1. Formats
 # ---------------------------------------------------------------------------------------------
 # MXFP8 element: E4M3 (torch.float8_e4m3fn / tl.float8e4nv): 1 sign, 4 exponent, 3 mantissa bits,
-# max 448, no infinities, one NaN pattern (0x7F / 0xFF).
-# MX scale: E8M0, a bare biased exponent byte e meaning 2^(e - 127); 0xFF is NaN.
+# max 448, no infinities, one NaN pattern (0x7F / 0xFF). MX scale: E8M0, a biased exponent byte e
+# meaning 2^(e - 127); 0xFF is NaN.
 #
-# THE SCALE RULE (the production one, TransformerEngine / cuDNN): the scale of a block is the
-# smallest power of two s with amax / s <= 448, so nothing ever saturates. It is computed from the
-# bits of amax, exactly, with no division or log that could round differently on the CPU, the GPU
-# and the interpreter. Write amax = m * 2^E with m in [1, 2):
+# THE SCALE RULE (TransformerEngine's, cuDNN's): a block's scale is the smallest power of two s
+# with amax / s <= 448, so nothing saturates. It is exact, on amax's bits (no division or log that
+# could round differently on the CPU, the GPU and the interpreter). With amax = m * 2^E, m in [1, 2):
 #     amax / 2^k <= 448 = 1.75 * 2^8   <=>   k >= E - 8 + (m > 1.75)
-# so the biased exponent is e = E_biased - 8 + (mantissa bits > 0x600000), clamped to >= 1. The
-# clamp makes tiny and all-zero blocks well defined (an all-zero block quantizes to exact zeros) and
-# keeps every scale a *normal* fp32 number, so kernels build it with a shift instead of an exp2.
+# so e = E_biased - 8 + (mantissa bits > 0x600000), clamped to >= 1: an all-zero block quantizes to
+# exact zeros, and every scale is a *normal* fp32 number (kernels build it with a shift, not exp2).
 # A non-finite amax (E_biased == 255) gets e = 0xFF (NaN), and its elements are E4M3 NaN.
 E4M3_MAX = 448.0
 E8M0_NAN = 255
@@ -58,8 +56,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of code 0..7
 
 
 def e8m0_exponent(amax: torch.Tensor, elem_max: float = E4M3_MAX) -> torch.Tensor:
-    """The scale rule: uint8 E8M0 exponent of the smallest power of two s with amax/s <= elem_max,
-    for E4M3 elements (448 = 1.75 * 2^8) or E2M1 ones (6 = 1.5 * 2^2, MXFP4)."""
+    """The scale rule as uint8 E8M0, for E4M3 elements or E2M1 ones (MXFP4: 6 = 1.5 * 2^2)."""
     shift, mant = {E4M3_MAX: (8, 0x600000), E2M1_MAX: (2, 0x400000)}[elem_max]
     bits = amax.float().view(torch.int32)
     biased = (bits >> 23) & 0xFF
@@ -74,19 +71,12 @@ def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
     return torch.where(e == E8M0_NAN, torch.nan, s)
 
 
-def e4m3_encode(x_over_s: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """Round-to-nearest-even E4M3 of x / s (already divided); NaN where the scale is NaN."""
-    q = x_over_s.clamp(-E4M3_MAX, E4M3_MAX)  # torch's cast gives NaN above 448; the GPU saturates
-    q = torch.where(e == E8M0_NAN, torch.nan, q)
-    return q.to(torch.float8_e4m3fn)
-
-
 # FP4 elements are E2M1 (+-{0, .5, 1, 1.5, 2, 3, 4, 6}), two per byte, first in the low nibble.
 # NVFP4: an E4M3 scale per 16 elements along the head dim and a second-level FP32 scale. The usual
 # second level is ONE amax over the whole tensor: a statistic over every token of every document,
 # which leaks across time and documents. Here it is per token and head: s2 = amax / (448 * 6).
-# MXFP4 (OCP MX): an E8M0 scale per 32 elements, no second level (s2 = 1); its scale rule is
-# MXFP8's for E2M1's maximum 6. This is what tl.dot_scaled("e2m1") takes.
+# MXFP4 (OCP MX, what tl.dot_scaled("e2m1") takes): an E8M0 scale per 32 elements by MXFP8's rule
+# for E2M1's maximum 6, no second level (s2 = 1).
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """Round-to-nearest-even onto the E2M1 grid, saturating at 6. Returns uint8 codes 0..15
     (bit 3 = sign, bits 0-2 = magnitude index into E2M1_VALUES)."""
@@ -498,7 +488,8 @@ def quantize_mxfp8_reference(x: torch.Tensor, cu_seqlens: torch.Tensor, block_to
     inv = torch.ldexp(torch.ones_like(amax), 127 - e.int().clamp(max=253))  # 1/s, exact
     exp = e.new_ones(H, padded_tokens(T, cu_seqlens.numel() - 1))  # padding: zero tokens, e = 1
     exp[:, padded_columns(cu_seqlens, T)] = e.t()
-    return MXFP8(e4m3_encode(x.float() * inv[..., None], e[..., None]), exp)
+    y = (x.float() * inv[..., None]).clamp(-E4M3_MAX, E4M3_MAX)  # as the GPU (torch's cast: NaN)
+    return MXFP8(torch.where(e[..., None] == E8M0_NAN, torch.nan, y).to(torch.float8_e4m3fn), exp)
 
 
 def transpose_tokens_reference(data: torch.Tensor, offsets: list) -> torch.Tensor:
