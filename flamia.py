@@ -191,8 +191,7 @@ def _pad16(n):
 # after the query, so the pair must use the per-token quantized copies of K and V. Keys of earlier
 # blocks never straddle. The kernels call the jitted twins below; the oracle calls `straddles`.
 def _token_copies(recipe: Recipe, causal: bool, safeguard: bool, block_tokens: int) -> bool:
-    """When the causal safeguard is on: a quantized causal recipe whose K/V scale blocks hold more
-    than one token. Then K and V also get per-token quantized copies."""
+    """Whether K and V also get per-token quantized copies (pairs can straddle)."""
     return recipe.quantized and causal and safeguard and block_tokens > 1
 
 
@@ -248,30 +247,21 @@ def _check_cu_seqlens(cu, name: str) -> None:
                          f"got shape {tuple(cu.shape)}")
 
 
-def _check_offsets(offsets: list, name: str) -> None:
-    if offsets[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {offsets[0]}")
-    if any(b < a for a, b in zip(offsets, offsets[1:])):
-        raise ValueError(f"{name} must be non-decreasing, got {offsets}")
-
-
-# The Plan cuts every document into tiles that never cross a document boundary, aligned to the
-# document start: the quantizer works on 128-token tiles (each holds whole scale blocks) and the
-# attention kernels on query tiles (forward, dQ) or key tiles (dK/dV). Only tiles that contain
-# unmasked pairs exist, so no program is launched on a fully masked tile, and documents of length 0,
-# 1 or 33 need no special case. Work items are sorted heaviest first (longest-processing-time
-# order): the GPU picks programs up roughly in launch order, so long causal rows start first and
-# short ones fill the tail. The Plan reads cu_seqlens to the host ONCE (the only host sync) and
-# caches its tables; build it once per batch and pass it to every layer, like FlexAttention's
-# BlockMask. Columns of a tile table (int32, one row per work item): "own" is the document the tile
-# lives in (queries for query tiles, keys for key tiles), "other" the matching document on the other
-# side; *_PAD are the documents' starts in the token-transposed (16-aligned) layouts.
+# The Plan cuts every document into tiles aligned to its start that never cross a document
+# boundary: 128-token tiles for the quantizer (whole scale blocks), query tiles (forward, dQ) or key
+# tiles (dK/dV) for attention. Only tiles with unmasked pairs exist, so no program runs on a fully
+# masked tile, and documents of length 0, 1 or 33 need no special case. Work is sorted heaviest
+# first (longest processing time): the GPU takes programs roughly in launch order, so long causal
+# rows start first and short ones fill the tail. The Plan reads cu_seqlens to the host ONCE (the
+# only host sync) and caches its tables: build it once per batch and pass it to every layer, like
+# FlexAttention's BlockMask. Tile table columns (int32, a row per work item): "own" is the tile's
+# document (queries for query tiles, keys for key tiles), "other" the matching one on the other
+# side; *_PAD are their starts in the token-transposed (16-aligned) layouts.
 TILE_START, TILE_END, OWN_START, OWN_END, OTHER_START, OTHER_END, OTHER_PAD, OWN_PAD = (
     tl.constexpr(i) for i in range(8))
-# The custom ops find plans here: id(cu_seqlens_q on the plan's device) -> Plan, for as long as the
-# Plan lives (a Plan holds that tensor, so a strong entry would keep both forever). Plans that
-# calls build themselves (no plan=) stay alive in _RECENT_PLANS: the backward and later layers of
-# the same batch find them, and memory stays bounded.
+# The custom ops find plans here: id(cu_seqlens_q on the plan's device) -> Plan, while the Plan
+# lives (it holds that tensor: a strong entry would keep both forever). Plans that calls build
+# themselves (no plan=) live on in _RECENT_PLANS for the backward and later layers, boundedly.
 _PLANS = weakref.WeakValueDictionary()
 _RECENT_PLANS = collections.deque(maxlen=16)
 
@@ -295,8 +285,11 @@ class Plan:
         self.offsets_q = cu_seqlens_q.tolist()  # the one host sync of a batch
         same = cu_seqlens_k is cu_seqlens_q
         self.offsets_k = self.offsets_q if same else cu_seqlens_k.tolist()
-        _check_offsets(self.offsets_q, "cu_seqlens_q")
-        _check_offsets(self.offsets_k, "cu_seqlens_k")
+        for name, offs in (("cu_seqlens_q", self.offsets_q), ("cu_seqlens_k", self.offsets_k)):
+            if offs[0] != 0:
+                raise ValueError(f"{name} must start at 0, got {offs[0]}")
+            if any(b < a for a, b in zip(offs, offs[1:])):
+                raise ValueError(f"{name} must be non-decreasing, got {offs}")
         self.device = torch.device(device) if device is not None else cu_seqlens_q.device
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current GPU
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -307,8 +300,7 @@ class Plan:
         self.same_documents = same or self.offsets_q == self.offsets_k
         lens = [(b - a, d - c) for a, b, c, d in
                 zip(self.offsets_q, self.offsets_q[1:], self.offsets_k, self.offsets_k[1:])]
-        self.max_seqlen_q = max(lq for lq, _ in lens)
-        self.max_seqlen_k = max(lk for _, lk in lens)
+        self.max_seqlen_q, self.max_seqlen_k = map(max, zip(*lens))
         pad = lambda offs: [0] + torch.tensor([_pad16(b - a) for a, b in zip(offs, offs[1:])]
                                               ).cumsum(0).tolist()
         self.pad_q, self.pad_k = pad(self.offsets_q), pad(self.offsets_k)
@@ -330,15 +322,13 @@ class Plan:
                               ("k", (cu_seqlens_k, self.cu_seqlens_k))):
             for t in tensors:
                 self._known[id(t), side] = (weakref.ref(t), t._version)
-        key = id(self.cu_seqlens_q)  # every plan is found by the custom ops (see section 6)
-        _PLANS[key] = self
+        _PLANS[id(self.cu_seqlens_q)] = self  # every plan is found by the custom ops (section 6)
         self.version = self.cu_seqlens_q._version  # an in-place change of cu_seqlens invalidates it
 
     def check_offsets(self, cu: torch.Tensor, name: str) -> None:
-        """Refuse cu_seqlens other than the ones this plan was built for: its tiles would cut the
-        tokens into the wrong documents, i.e. attend across documents. The plan's own tensors, unchanged
-        since, pass without a host sync; another tensor is compared once (one sync) and remembered
-        until it changes in place."""
+        """Refuse cu_seqlens other than the plan's (its tiles would attend across documents). The
+        plan's own tensors, unchanged since, pass without a host sync; another tensor is compared
+        once (one sync) and remembered until it changes in place."""
         side = name[-1]
         known = self._known.get((id(cu), side))
         if known is not None and known[0]() is cu and known[1] == cu._version:
@@ -364,8 +354,7 @@ class Plan:
         key = (block, side, causal, skip_masked)
         if key not in self._tables:
             q_side = side == "q"
-            own, other = self.offsets_q, self.offsets_k
-            own_pad, other_pad = self.pad_q, self.pad_k
+            own, other, own_pad, other_pad = self.offsets_q, self.offsets_k, self.pad_q, self.pad_k
             if not q_side:
                 own, other, own_pad, other_pad = other, own, other_pad, own_pad
             rows, costs = [], []
