@@ -565,11 +565,12 @@ def _load_quant_tile(X, TILES, stride_xt, stride_xh, D: tl.constexpr, ROWS: tl.c
 
 
 @triton.jit
-def _quantize_rows(x, amax, offs_t, in_doc, col_shift, pad_end, h, Y, E, T_PAD, H: tl.constexpr,
+def _quantize_rows(x, amax, offs_t, end, col_shift, pad_end, h, Y, E, T_PAD, H: tl.constexpr,
                    D: tl.constexpr, WRITE_T: tl.constexpr):
     """Quantizes rows x (tokens offs_t of head h) with their amax: stores the E8M0 bytes (at
     columns offs_t + col_shift of the padded layout, the document's padding as 1) and, unless
     WRITE_T (then _quantize_store stores them), the E4M3 data. Returns x / s in fp32."""
+    in_doc = offs_t < end
     e = _scale_exponent(amax)
     inv = _exp2_int(254 - tl.minimum(e, 253))  # 1/s = 2^(127 - e), exact
     v = tl.where(e[:, None] == 255, float("nan"), x * inv[:, None])
@@ -587,13 +588,10 @@ def _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, shift, p
                     PTX_CVT: tl.constexpr):
     """Quantizes and stores the four token phases of a tile (rows offs_t + j of x_j, amax a_j);
     p0: the tile's first padded column, shift: token -> padded column."""
-    v0 = _quantize_rows(x0, a0, offs_t, offs_t < end, shift, pad_end, h, Y, E, T_PAD, H, D, WRITE_T)
-    v1 = _quantize_rows(x1, a1, offs_t + 1, offs_t + 1 < end, shift, pad_end, h, Y, E, T_PAD, H, D,
-                        WRITE_T)
-    v2 = _quantize_rows(x2, a2, offs_t + 2, offs_t + 2 < end, shift, pad_end, h, Y, E, T_PAD, H, D,
-                        WRITE_T)
-    v3 = _quantize_rows(x3, a3, offs_t + 3, offs_t + 3 < end, shift, pad_end, h, Y, E, T_PAD, H, D,
-                        WRITE_T)
+    v0 = _quantize_rows(x0, a0, offs_t, end, shift, pad_end, h, Y, E, T_PAD, H, D, WRITE_T)
+    v1 = _quantize_rows(x1, a1, offs_t + 1, end, shift, pad_end, h, Y, E, T_PAD, H, D, WRITE_T)
+    v2 = _quantize_rows(x2, a2, offs_t + 2, end, shift, pad_end, h, Y, E, T_PAD, H, D, WRITE_T)
+    v3 = _quantize_rows(x3, a3, offs_t + 3, end, shift, pad_end, h, Y, E, T_PAD, H, D, WRITE_T)
     if WRITE_T:  # tokens 4i..4i+3 of channel d, first in the low byte: one int32 per (i, d)
         w = _e4m3_word(v0, v1, v2, v3, PTX_CVT)
         # Over the document's whole padded range, zeros past its end: the padding is defined data,
