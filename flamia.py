@@ -661,7 +661,9 @@ def _quantize_kernel(
                            H, D, BLOCK_T, BLOCK_TOKENS, WRITE_T, WRITE_TOK, PTX_CVT)
 
 
-def _side_total(plan: Plan, side: str, x: torch.Tensor) -> None:
+def _quantizer_input(x, plan: Plan, side: str) -> torch.Tensor:
+    """x, checked against the plan's `side` documents, with a unit inner stride."""
+    _check_tensor(x, "x")
     if side not in ("q", "k"):
         raise ValueError(f"side must be 'q' or 'k', got {side!r}")
     total = plan.total_q if side == "q" else plan.total_k
@@ -670,6 +672,7 @@ def _side_total(plan: Plan, side: str, x: torch.Tensor) -> None:
                          f"{total}")
     if x.device != plan.device:
         raise ValueError(f"x is on {x.device} but the plan is on {plan.device}")
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 class MXFP8Launch(NamedTuple):
@@ -694,33 +697,31 @@ def quantize_mxfp8_launch(x: torch.Tensor, plan: Plan, block_tokens: int = 1, si
     """quantize_mxfp8, with more tensors in the same launch (the forward quantizes in one):
     second=(x2, transposed2), a tensor of x's shape, documents and block_tokens (K and V);
     queries=q, Q (T, Hq, D) of the same documents (Hq a multiple of H), per token, row-major."""
-    _check_tensor(x, "x")
     _check_block_tokens(block_tokens)
-    _side_total(plan, side, x)
-    x = x if x.stride(-1) == 1 else x.contiguous()
+    x = _quantizer_input(x, plan, side)
     T, H, D = x.shape
     t_pad = plan.padded_q if side == "q" else plan.padded_k
-    f8 = torch.float8_e4m3fn
+    f8, dev = torch.float8_e4m3fn, x.device
 
-    def alloc(transposed):
-        return MXFP8(None if transposed else torch.empty(T, H, D, dtype=f8, device=x.device),
-                     torch.empty(H, t_pad, dtype=torch.uint8, device=x.device),
-                     torch.empty(H, D, t_pad, dtype=f8, device=x.device) if transposed else None)
+    def alloc(transposed, heads=H):
+        return MXFP8(None if transposed else torch.empty(T, heads, D, dtype=f8, device=dev),
+                     torch.empty(heads, t_pad, dtype=torch.uint8, device=dev),
+                     torch.empty(heads, D, t_pad, dtype=f8, device=dev) if transposed else None)
 
-    def outputs(transposed):  # (the block-scaled result, where the per-token copy goes)
+    def outputs(x, transposed):  # the results for x and the kernel's arguments (Y .. stride_xh)
         out = alloc(transposed)
-        return out, (alloc(transposed) if per_token_copy else out)
-    out, tok = outputs(transposed)
-    data = lambda m, transposed: m.data_t if transposed else m.data
-    x2, transposed2 = second if second is not None else (x, transposed)
+        tok = alloc(transposed) if per_token_copy else out  # where the per-token copy goes
+        y = lambda m: m.data_t if transposed else m.data
+        return (out, tok), (y(out), out.exp, y(out), y(tok), tok.exp, y(tok), *x.stride()[:2])
+    (out, tok), args = outputs(x, transposed)
+    x2, transposed2, args2 = x, transposed, args
     if second is not None:
+        x2, transposed2 = second
         _check_tensor(x2, "second")
         if x2.shape != x.shape:
             raise ValueError(f"second has shape {tuple(x2.shape)}, expected x's {tuple(x.shape)}")
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-        out2, tok2 = outputs(transposed2)
-    else:
-        out2, tok2 = out, tok
+        (out2, tok2), args2 = outputs(x2, transposed2)
     xq, HQ, out_q = x, H, out
     if queries is not None:
         _check_tensor(queries, "queries")
@@ -732,16 +733,11 @@ def quantize_mxfp8_launch(x: torch.Tensor, plan: Plan, block_tokens: int = 1, si
                              f"multiple of {H}, {D})")
         xq = queries if queries.stride(-1) == 1 else queries.contiguous()
         HQ = xq.shape[1]
-        out_q = MXFP8(torch.empty(T, HQ, D, dtype=f8, device=x.device),
-                      torch.empty(HQ, t_pad, dtype=torch.uint8, device=x.device), None)
+        out_q = alloc(False, HQ)
     tiles = plan.tiles(QUANT_TILE, side, causal=False, skip_masked=False)
     if tiles.shape[0] > 0:
         _quantize_kernel[(tiles.shape[0], HQ, 1 + (second is not None) + (queries is not None))](
-            x, tiles, data(out, transposed), out.exp, data(out, transposed),
-            data(tok, transposed), tok.exp, data(tok, transposed), x.stride(0), x.stride(1), t_pad,
-            x2, data(out2, transposed2), out2.exp, data(out2, transposed2),
-            data(tok2, transposed2), tok2.exp, data(tok2, transposed2), x2.stride(0), x2.stride(1),
-            xq, data(out_q, False), out_q.exp, xq.stride(0), xq.stride(1),
+            x, tiles, *args, t_pad, x2, *args2, xq, out_q.data, out_q.exp, *xq.stride()[:2],
             H=H, HQ=HQ, D=D, BLOCK_T=QUANT_TILE, BLOCK_TOKENS=block_tokens, WRITE_T=transposed,
             WRITE_TOK=per_token_copy, PTX_CVT=not INTERPRETED, SECOND=second is not None,
             WRITE_T2=transposed2, QUERIES=queries is not None,
@@ -798,11 +794,9 @@ def _quantize_fp4_kernel(X, TILES, P, SB, S2, stride_xt, stride_xh, T,
 def quantize_fp4(x: torch.Tensor, plan: Plan, fmt: str = "nvfp4", side: str = "q") -> FP4:
     """Fused Triton FP4 quantizer: one launch, x (T, H, D) read once, into fmt "nvfp4" or "mxfp4"
     (see quantize_nvfp4_reference / quantize_mxfp4_reference)."""
-    _check_tensor(x, "x")
-    _side_total(plan, side, x)
+    x = _quantizer_input(x, plan, side)
     if fmt not in ("nvfp4", "mxfp4"):
         raise ValueError(f"fmt must be 'nvfp4' or 'mxfp4', got {fmt!r}")
-    x = x if x.stride(-1) == 1 else x.contiguous()
     T, H, D = x.shape
     mx = fmt == "mxfp4"
     out = FP4(torch.empty(T, H, D // 2, dtype=torch.uint8, device=x.device),
