@@ -849,21 +849,16 @@ def _rotate_qk(q, k, softmax_scale):
 # that the kernel-vs-oracle tolerances allow for; the backward's P and dS are rounded to bf16. The
 # kernels are tested against it, and it is the CPU path. Quantizers are straight-through (identity
 # gradient), so autograd through it gives the gradients the kernels must reproduce.
-def _straight_through(x: torch.Tensor, deq: torch.Tensor) -> torch.Tensor:
-    """The value deq, exactly (x - x is 0), with the identity gradient to x. (x + (deq - x) would
-    round twice: not bit for bit the dequantized operand.)"""
+def _fake_quant(x: torch.Tensor, cu_seqlens: torch.Tensor, block_tokens: int, fmt: str = "e4m3"):
+    """x dequantized (fp32: FP4's s2 is not bf16), exactly (x - x is 0), with the identity gradient
+    to x. (x + (deq - x) would round twice: not bit for bit the dequantized operand.)"""
+    if fmt == "e4m3":
+        deq = quantize_mxfp8_reference(x.detach(), cu_seqlens, block_tokens).dequantize(cu_seqlens)
+    else:
+        quantize = quantize_nvfp4_reference if fmt == "nvfp4" else quantize_mxfp4_reference
+        deq = dequantize_fp4(*quantize(x.detach()))
     x = x.float()
     return deq + (x - x.detach())
-
-
-def _fake_quant(x: torch.Tensor, cu_seqlens: torch.Tensor, block_tokens: int) -> torch.Tensor:
-    deq = quantize_mxfp8_reference(x.detach(), cu_seqlens, block_tokens).dequantize(cu_seqlens)
-    return _straight_through(x, deq)
-
-
-def _fake_quant_fp4(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    quantize = quantize_nvfp4_reference if fmt == "nvfp4" else quantize_mxfp4_reference
-    return _straight_through(x, dequantize_fp4(*quantize(x.detach())))  # fp32: s2 is not bf16
 
 
 def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True,
@@ -892,10 +887,8 @@ def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True
     k_tok, v_tok = k, v
     if r.quantized:
         q = _fake_quant(q, cu_seqlens_q, 1)  # Q is never block-scaled: it would leak along rows
-        if r.k_fp4:
-            k = k_tok = _fake_quant_fp4(k, r.k_format)
-        else:
-            k_tok, k = _fake_quant(k, cu_seqlens_k, 1), _fake_quant(k, cu_seqlens_k, block_tokens)
+        k_tok = _fake_quant(k, cu_seqlens_k, 1, r.k_format)
+        k = k_tok if r.k_fp4 else _fake_quant(k, cu_seqlens_k, block_tokens)  # FP4: per token
         v_tok, v = _fake_quant(v, cu_seqlens_k, 1), _fake_quant(v, cu_seqlens_k, block_tokens)
     q, k, v, k_tok, v_tok = (x.to(cdt) for x in (q, k, v, k_tok, v_tok))
     if Hk != H:  # GQA / MQA: each K/V head serves H // Hk consecutive query heads
