@@ -422,21 +422,19 @@ def token_block_start(cu_seqlens: torch.Tensor, total: int, block_tokens: int) -
 # 3. Quantizers: PyTorch references and the fused Triton kernels (bit-identical)
 # ---------------------------------------------------------------------------------------------
 # quantize(x) for x of shape (T, H, D), block size B_t:
-#     amax[t, h]  = max_d |x[t, h, d]|                        (per token)
-#     amax_b      = max over the B_t-token block of t          (document-local)
-#     e[h, t]     = scale rule(amax_b)                         (E8M0 byte, one copy per token,
-#                                                              at t's column of padded_columns)
-#     data[t,h,:] = E4M3(x[t, h, :] / 2^(e - 127))             (exact power-of-two division, RNE)
+#     amax[t, h]  = max_d |x[t, h, d]|                  (per token)
+#     amax_b      = max over the B_t-token block of t    (document-local)
+#     e[h, t]     = scale rule(amax_b)                   (E8M0, a copy per token, padded_columns)
+#     data[t,h,:] = E4M3(x[t, h, :] / 2^(e - 127))       (exact power-of-two division, RNE)
 # The same quantized tensor serves both matrix orientations: along the head dim its scale is
 # constant (a rank-1 post-scale of Q K^T), along tokens it changes only every B_t tokens (B_t = 32
 # is exactly an MX block along the contraction of P V). Hopper's fp8 wgmma wants its second
-# operand K-major, so the Triton quantizer also writes a token-transposed copy (H, D, T_padded) in
-# the same pass when asked (each document starting at a 16-token boundary, zero-padded).
+# operand K-major: the Triton quantizer can write a token-transposed copy (H, D, T_padded, the
+# padded token layout, zero-padded) in the same pass.
 class MXFP8(NamedTuple):
-    """A quantized (T, H, D) tensor: data (T, H, D) float8_e4m3fn or None, exp (H, T_padded) uint8
-    E8M0 and data_t (H, D, T_padded) float8_e4m3fn or None (token-transposed), both in the padded
-    token layout (padded_columns of the documents x was quantized with). tok: the same tensor
-    quantized per token, in the same layout (the causal safeguard's copy), where it was made."""
+    """A quantized (T, H, D) tensor: float8_e4m3fn data (T, H, D) or data_t (H, D, T_padded:
+    token-transposed), the other None, and exp (H, T_padded) uint8 E8M0, in the padded token layout
+    of x's documents. tok: x quantized per token (the safeguard's copy), where it was made."""
     data: torch.Tensor
     exp: torch.Tensor
     data_t: torch.Tensor = None
