@@ -301,8 +301,7 @@ class Plan:
         lens = [(b - a, d - c) for a, b, c, d in
                 zip(self.offsets_q, self.offsets_q[1:], self.offsets_k, self.offsets_k[1:])]
         self.max_seqlen_q, self.max_seqlen_k = map(max, zip(*lens))
-        pad = lambda offs: [0] + torch.tensor([_pad16(b - a) for a, b in zip(offs, offs[1:])]
-                                              ).cumsum(0).tolist()
+        pad = lambda offs: [0] + _pad16(torch.tensor(offs).diff()).cumsum(0).tolist()
         self.pad_q, self.pad_k = pad(self.offsets_q), pad(self.offsets_k)
         self.padded_q = padded_tokens(self.total_q, len(lens))
         self.padded_k = padded_tokens(self.total_k, len(lens))
