@@ -267,12 +267,9 @@ _RECENT_PLANS = collections.deque(maxlen=16)
 
 
 class Plan:
-    """The schedule of one packed batch: documents, tiles and their order.
-
-    cu_seqlens_q / cu_seqlens_k: int32 (n_docs + 1,) offsets (k defaults to q: the training case).
-    device: where the kernels run; default: the cu_seqlens' device. Offsets still on the host (a
-    data loader has them there) plus device="cuda" make the plan without any GPU sync.
-    """
+    """The schedule of one packed batch: documents, tiles and their order. cu_seqlens_q / _k: int32
+    (n_docs + 1,) offsets (k defaults to q: the training case). device: where the kernels run
+    (default: cu_seqlens_q's); host offsets (a data loader's) and device="cuda" cost no GPU sync."""
 
     def __init__(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor = None, device=None):
         cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
