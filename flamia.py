@@ -37,17 +37,15 @@ import triton.language as tl
 # 1. Formats
 # ---------------------------------------------------------------------------------------------
 # MXFP8 element: E4M3 (torch.float8_e4m3fn / tl.float8e4nv): 1 sign, 4 exponent, 3 mantissa bits,
-# max 448, no infinities, one NaN pattern (0x7F / 0xFF).
-# MX scale: E8M0, a bare biased exponent byte e meaning 2^(e - 127); 0xFF is NaN.
+# max 448, no infinities, one NaN pattern (0x7F / 0xFF). MX scale: E8M0, a biased exponent byte e
+# meaning 2^(e - 127); 0xFF is NaN.
 #
-# THE SCALE RULE (the production one, TransformerEngine / cuDNN): the scale of a block is the
-# smallest power of two s with amax / s <= 448, so nothing ever saturates. It is computed from the
-# bits of amax, exactly, with no division or log that could round differently on the CPU, the GPU
-# and the interpreter. Write amax = m * 2^E with m in [1, 2):
+# THE SCALE RULE (TransformerEngine's, cuDNN's): a block's scale is the smallest power of two s
+# with amax / s <= 448, so nothing saturates. It is exact, on amax's bits (no division or log that
+# could round differently on the CPU, the GPU and the interpreter). With amax = m * 2^E, m in [1, 2):
 #     amax / 2^k <= 448 = 1.75 * 2^8   <=>   k >= E - 8 + (m > 1.75)
-# so the biased exponent is e = E_biased - 8 + (mantissa bits > 0x600000), clamped to >= 1. The
-# clamp makes tiny and all-zero blocks well defined (an all-zero block quantizes to exact zeros) and
-# keeps every scale a *normal* fp32 number, so kernels build it with a shift instead of an exp2.
+# so e = E_biased - 8 + (mantissa bits > 0x600000), clamped to >= 1: an all-zero block quantizes to
+# exact zeros, and every scale is a *normal* fp32 number (kernels build it with a shift, not exp2).
 # A non-finite amax (E_biased == 255) gets e = 0xFF (NaN), and its elements are E4M3 NaN.
 E4M3_MAX = 448.0
 E8M0_NAN = 255
@@ -58,8 +56,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of code 0..7
 
 
 def e8m0_exponent(amax: torch.Tensor, elem_max: float = E4M3_MAX) -> torch.Tensor:
-    """The scale rule: uint8 E8M0 exponent of the smallest power of two s with amax/s <= elem_max,
-    for E4M3 elements (448 = 1.75 * 2^8) or E2M1 ones (6 = 1.5 * 2^2, MXFP4)."""
+    """The scale rule as uint8 E8M0, for E4M3 elements or E2M1 ones (MXFP4: 6 = 1.5 * 2^2)."""
     shift, mant = {E4M3_MAX: (8, 0x600000), E2M1_MAX: (2, 0x400000)}[elem_max]
     bits = amax.float().view(torch.int32)
     biased = (bits >> 23) & 0xFF
@@ -74,19 +71,12 @@ def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
     return torch.where(e == E8M0_NAN, torch.nan, s)
 
 
-def e4m3_encode(x_over_s: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """Round-to-nearest-even E4M3 of x / s (already divided); NaN where the scale is NaN."""
-    q = x_over_s.clamp(-E4M3_MAX, E4M3_MAX)  # torch's cast gives NaN above 448; the GPU saturates
-    q = torch.where(e == E8M0_NAN, torch.nan, q)
-    return q.to(torch.float8_e4m3fn)
-
-
 # FP4 elements are E2M1 (+-{0, .5, 1, 1.5, 2, 3, 4, 6}), two per byte, first in the low nibble.
 # NVFP4: an E4M3 scale per 16 elements along the head dim and a second-level FP32 scale. The usual
 # second level is ONE amax over the whole tensor: a statistic over every token of every document,
 # which leaks across time and documents. Here it is per token and head: s2 = amax / (448 * 6).
-# MXFP4 (OCP MX): an E8M0 scale per 32 elements, no second level (s2 = 1); its scale rule is
-# MXFP8's for E2M1's maximum 6. This is what tl.dot_scaled("e2m1") takes.
+# MXFP4 (OCP MX, what tl.dot_scaled("e2m1") takes): an E8M0 scale per 32 elements by MXFP8's rule
+# for E2M1's maximum 6, no second level (s2 = 1).
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """Round-to-nearest-even onto the E2M1 grid, saturating at 6. Returns uint8 codes 0..15
     (bit 3 = sign, bits 0-2 = magnitude index into E2M1_VALUES)."""
@@ -201,8 +191,7 @@ def _pad16(n):
 # after the query, so the pair must use the per-token quantized copies of K and V. Keys of earlier
 # blocks never straddle. The kernels call the jitted twins below; the oracle calls `straddles`.
 def _token_copies(recipe: Recipe, causal: bool, safeguard: bool, block_tokens: int) -> bool:
-    """When the causal safeguard is on: a quantized causal recipe whose K/V scale blocks hold more
-    than one token. Then K and V also get per-token quantized copies."""
+    """Whether K and V also get per-token quantized copies (pairs can straddle)."""
     return recipe.quantized and causal and safeguard and block_tokens > 1
 
 
@@ -258,41 +247,29 @@ def _check_cu_seqlens(cu, name: str) -> None:
                          f"got shape {tuple(cu.shape)}")
 
 
-def _check_offsets(offsets: list, name: str) -> None:
-    if offsets[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {offsets[0]}")
-    if any(b < a for a, b in zip(offsets, offsets[1:])):
-        raise ValueError(f"{name} must be non-decreasing, got {offsets}")
-
-
-# The Plan cuts every document into tiles that never cross a document boundary, aligned to the
-# document start: the quantizer works on 128-token tiles (each holds whole scale blocks) and the
-# attention kernels on query tiles (forward, dQ) or key tiles (dK/dV). Only tiles that contain
-# unmasked pairs exist, so no program is launched on a fully masked tile, and documents of length 0,
-# 1 or 33 need no special case. Work items are sorted heaviest first (longest-processing-time
-# order): the GPU picks programs up roughly in launch order, so long causal rows start first and
-# short ones fill the tail. The Plan reads cu_seqlens to the host ONCE (the only host sync) and
-# caches its tables; build it once per batch and pass it to every layer, like FlexAttention's
-# BlockMask. Columns of a tile table (int32, one row per work item): "own" is the document the tile
-# lives in (queries for query tiles, keys for key tiles), "other" the matching document on the other
-# side; *_PAD are the documents' starts in the token-transposed (16-aligned) layouts.
+# The Plan cuts every document into tiles aligned to its start that never cross a document
+# boundary: 128-token tiles for the quantizer (whole scale blocks), query tiles (forward, dQ) or key
+# tiles (dK/dV) for attention. Only tiles with unmasked pairs exist, so no program runs on a fully
+# masked tile, and documents of length 0, 1 or 33 need no special case. Work is sorted heaviest
+# first (longest processing time): the GPU takes programs roughly in launch order, so long causal
+# rows start first and short ones fill the tail. The Plan reads cu_seqlens to the host ONCE (the
+# only host sync) and caches its tables: build it once per batch and pass it to every layer, like
+# FlexAttention's BlockMask. Tile table columns (int32, a row per work item): "own" is the tile's
+# document (queries for query tiles, keys for key tiles), "other" the matching one on the other
+# side; *_PAD are their starts in the token-transposed (16-aligned) layouts.
 TILE_START, TILE_END, OWN_START, OWN_END, OTHER_START, OTHER_END, OTHER_PAD, OWN_PAD = (
     tl.constexpr(i) for i in range(8))
-# The custom ops find plans here: id(cu_seqlens_q on the plan's device) -> Plan, for as long as the
-# Plan lives (a Plan holds that tensor, so a strong entry would keep both forever). Plans that
-# calls build themselves (no plan=) stay alive in _RECENT_PLANS: the backward and later layers of
-# the same batch find them, and memory stays bounded.
+# The custom ops find plans here: id(cu_seqlens_q on the plan's device) -> Plan, while the Plan
+# lives (it holds that tensor: a strong entry would keep both forever). Plans that calls build
+# themselves (no plan=) live on in _RECENT_PLANS for the backward and later layers, boundedly.
 _PLANS = weakref.WeakValueDictionary()
 _RECENT_PLANS = collections.deque(maxlen=16)
 
 
 class Plan:
-    """The schedule of one packed batch: documents, tiles and their order.
-
-    cu_seqlens_q / cu_seqlens_k: int32 (n_docs + 1,) offsets (k defaults to q: the training case).
-    device: where the kernels run; default: the cu_seqlens' device. Offsets still on the host (a
-    data loader has them there) plus device="cuda" make the plan without any GPU sync.
-    """
+    """The schedule of one packed batch: documents, tiles and their order. cu_seqlens_q / _k: int32
+    (n_docs + 1,) offsets (k defaults to q: the training case). device: where the kernels run
+    (default: cu_seqlens_q's); host offsets (a data loader's) and device="cuda" cost no GPU sync."""
 
     def __init__(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor = None, device=None):
         cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
@@ -305,8 +282,11 @@ class Plan:
         self.offsets_q = cu_seqlens_q.tolist()  # the one host sync of a batch
         same = cu_seqlens_k is cu_seqlens_q
         self.offsets_k = self.offsets_q if same else cu_seqlens_k.tolist()
-        _check_offsets(self.offsets_q, "cu_seqlens_q")
-        _check_offsets(self.offsets_k, "cu_seqlens_k")
+        for name, offs in (("cu_seqlens_q", self.offsets_q), ("cu_seqlens_k", self.offsets_k)):
+            if offs[0] != 0:
+                raise ValueError(f"{name} must start at 0, got {offs[0]}")
+            if any(b < a for a, b in zip(offs, offs[1:])):
+                raise ValueError(f"{name} must be non-decreasing, got {offs}")
         self.device = torch.device(device) if device is not None else cu_seqlens_q.device
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current GPU
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -317,10 +297,8 @@ class Plan:
         self.same_documents = same or self.offsets_q == self.offsets_k
         lens = [(b - a, d - c) for a, b, c, d in
                 zip(self.offsets_q, self.offsets_q[1:], self.offsets_k, self.offsets_k[1:])]
-        self.max_seqlen_q = max(lq for lq, _ in lens)
-        self.max_seqlen_k = max(lk for _, lk in lens)
-        pad = lambda offs: [0] + torch.tensor([_pad16(b - a) for a, b in zip(offs, offs[1:])]
-                                              ).cumsum(0).tolist()
+        self.max_seqlen_q, self.max_seqlen_k = map(max, zip(*lens))
+        pad = lambda offs: [0] + _pad16(torch.tensor(offs).diff()).cumsum(0).tolist()
         self.pad_q, self.pad_k = pad(self.offsets_q), pad(self.offsets_k)
         self.padded_q = padded_tokens(self.total_q, len(lens))
         self.padded_k = padded_tokens(self.total_k, len(lens))
@@ -340,15 +318,13 @@ class Plan:
                               ("k", (cu_seqlens_k, self.cu_seqlens_k))):
             for t in tensors:
                 self._known[id(t), side] = (weakref.ref(t), t._version)
-        key = id(self.cu_seqlens_q)  # every plan is found by the custom ops (see section 6)
-        _PLANS[key] = self
+        _PLANS[id(self.cu_seqlens_q)] = self  # every plan is found by the custom ops (section 6)
         self.version = self.cu_seqlens_q._version  # an in-place change of cu_seqlens invalidates it
 
     def check_offsets(self, cu: torch.Tensor, name: str) -> None:
-        """Refuse cu_seqlens other than the ones this plan was built for: its tiles would cut the
-        tokens into the wrong documents, i.e. attend across documents. The plan's own tensors, unchanged
-        since, pass without a host sync; another tensor is compared once (one sync) and remembered
-        until it changes in place."""
+        """Refuse cu_seqlens other than the plan's (its tiles would attend across documents). The
+        plan's own tensors, unchanged since, pass without a host sync; another tensor is compared
+        once (one sync) and remembered until it changes in place."""
         side = name[-1]
         known = self._known.get((id(cu), side))
         if known is not None and known[0]() is cu and known[1] == cu._version:
@@ -374,8 +350,7 @@ class Plan:
         key = (block, side, causal, skip_masked)
         if key not in self._tables:
             q_side = side == "q"
-            own, other = self.offsets_q, self.offsets_k
-            own_pad, other_pad = self.pad_q, self.pad_k
+            own, other, own_pad, other_pad = self.offsets_q, self.offsets_k, self.pad_q, self.pad_k
             if not q_side:
                 own, other, own_pad, other_pad = other, own, other_pad, own_pad
             rows, costs = [], []
@@ -443,21 +418,19 @@ def token_block_start(cu_seqlens: torch.Tensor, total: int, block_tokens: int) -
 # 3. Quantizers: PyTorch references and the fused Triton kernels (bit-identical)
 # ---------------------------------------------------------------------------------------------
 # quantize(x) for x of shape (T, H, D), block size B_t:
-#     amax[t, h]  = max_d |x[t, h, d]|                        (per token)
-#     amax_b      = max over the B_t-token block of t          (document-local)
-#     e[h, t]     = scale rule(amax_b)                         (E8M0 byte, one copy per token,
-#                                                              at t's column of padded_columns)
-#     data[t,h,:] = E4M3(x[t, h, :] / 2^(e - 127))             (exact power-of-two division, RNE)
+#     amax[t, h]  = max_d |x[t, h, d]|                  (per token)
+#     amax_b      = max over the B_t-token block of t    (document-local)
+#     e[h, t]     = scale rule(amax_b)                   (E8M0, a copy per token, padded_columns)
+#     data[t,h,:] = E4M3(x[t, h, :] / 2^(e - 127))       (exact power-of-two division, RNE)
 # The same quantized tensor serves both matrix orientations: along the head dim its scale is
 # constant (a rank-1 post-scale of Q K^T), along tokens it changes only every B_t tokens (B_t = 32
 # is exactly an MX block along the contraction of P V). Hopper's fp8 wgmma wants its second
-# operand K-major, so the Triton quantizer also writes a token-transposed copy (H, D, T_padded) in
-# the same pass when asked (each document starting at a 16-token boundary, zero-padded).
+# operand K-major: the Triton quantizer can write a token-transposed copy (H, D, T_padded, the
+# padded token layout, zero-padded) in the same pass.
 class MXFP8(NamedTuple):
-    """A quantized (T, H, D) tensor: data (T, H, D) float8_e4m3fn or None, exp (H, T_padded) uint8
-    E8M0 and data_t (H, D, T_padded) float8_e4m3fn or None (token-transposed), both in the padded
-    token layout (padded_columns of the documents x was quantized with). tok: the same tensor
-    quantized per token, in the same layout (the causal safeguard's copy), where it was made."""
+    """A quantized (T, H, D) tensor: float8_e4m3fn data (T, H, D) or data_t (H, D, T_padded:
+    token-transposed), the other None, and exp (H, T_padded) uint8 E8M0, in the padded token layout
+    of x's documents. tok: x quantized per token (the safeguard's copy), where it was made."""
     data: torch.Tensor
     exp: torch.Tensor
     data_t: torch.Tensor = None
@@ -498,7 +471,8 @@ def quantize_mxfp8_reference(x: torch.Tensor, cu_seqlens: torch.Tensor, block_to
     inv = torch.ldexp(torch.ones_like(amax), 127 - e.int().clamp(max=253))  # 1/s, exact
     exp = e.new_ones(H, padded_tokens(T, cu_seqlens.numel() - 1))  # padding: zero tokens, e = 1
     exp[:, padded_columns(cu_seqlens, T)] = e.t()
-    return MXFP8(e4m3_encode(x.float() * inv[..., None], e[..., None]), exp)
+    y = (x.float() * inv[..., None]).clamp(-E4M3_MAX, E4M3_MAX)  # as the GPU (torch's cast: NaN)
+    return MXFP8(torch.where(e[..., None] == E8M0_NAN, torch.nan, y).to(torch.float8_e4m3fn), exp)
 
 
 def transpose_tokens_reference(data: torch.Tensor, offsets: list) -> torch.Tensor:
@@ -585,11 +559,12 @@ def _load_quant_tile(X, TILES, stride_xt, stride_xh, D: tl.constexpr, ROWS: tl.c
 
 
 @triton.jit
-def _quantize_rows(x, amax, offs_t, in_doc, col_shift, pad_end, h, Y, E, T_PAD, H: tl.constexpr,
+def _quantize_rows(x, amax, offs_t, end, col_shift, pad_end, h, Y, E, T_PAD, H: tl.constexpr,
                    D: tl.constexpr, WRITE_T: tl.constexpr):
     """Quantizes rows x (tokens offs_t of head h) with their amax: stores the E8M0 bytes (at
     columns offs_t + col_shift of the padded layout, the document's padding as 1) and, unless
     WRITE_T (then _quantize_store stores them), the E4M3 data. Returns x / s in fp32."""
+    in_doc = offs_t < end
     e = _scale_exponent(amax)
     inv = _exp2_int(254 - tl.minimum(e, 253))  # 1/s = 2^(127 - e), exact
     v = tl.where(e[:, None] == 255, float("nan"), x * inv[:, None])
@@ -607,13 +582,10 @@ def _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, shift, p
                     PTX_CVT: tl.constexpr):
     """Quantizes and stores the four token phases of a tile (rows offs_t + j of x_j, amax a_j);
     p0: the tile's first padded column, shift: token -> padded column."""
-    v0 = _quantize_rows(x0, a0, offs_t, offs_t < end, shift, pad_end, h, Y, E, T_PAD, H, D, WRITE_T)
-    v1 = _quantize_rows(x1, a1, offs_t + 1, offs_t + 1 < end, shift, pad_end, h, Y, E, T_PAD, H, D,
-                        WRITE_T)
-    v2 = _quantize_rows(x2, a2, offs_t + 2, offs_t + 2 < end, shift, pad_end, h, Y, E, T_PAD, H, D,
-                        WRITE_T)
-    v3 = _quantize_rows(x3, a3, offs_t + 3, offs_t + 3 < end, shift, pad_end, h, Y, E, T_PAD, H, D,
-                        WRITE_T)
+    v0 = _quantize_rows(x0, a0, offs_t, end, shift, pad_end, h, Y, E, T_PAD, H, D, WRITE_T)
+    v1 = _quantize_rows(x1, a1, offs_t + 1, end, shift, pad_end, h, Y, E, T_PAD, H, D, WRITE_T)
+    v2 = _quantize_rows(x2, a2, offs_t + 2, end, shift, pad_end, h, Y, E, T_PAD, H, D, WRITE_T)
+    v3 = _quantize_rows(x3, a3, offs_t + 3, end, shift, pad_end, h, Y, E, T_PAD, H, D, WRITE_T)
     if WRITE_T:  # tokens 4i..4i+3 of channel d, first in the low byte: one int32 per (i, d)
         w = _e4m3_word(v0, v1, v2, v3, PTX_CVT)
         # Over the document's whole padded range, zeros past its end: the padding is defined data,
@@ -683,7 +655,9 @@ def _quantize_kernel(
                            H, D, BLOCK_T, BLOCK_TOKENS, WRITE_T, WRITE_TOK, PTX_CVT)
 
 
-def _side_total(plan: Plan, side: str, x: torch.Tensor) -> None:
+def _quantizer_input(x, plan: Plan, side: str) -> torch.Tensor:
+    """x, checked against the plan's `side` documents, with a unit inner stride."""
+    _check_tensor(x, "x")
     if side not in ("q", "k"):
         raise ValueError(f"side must be 'q' or 'k', got {side!r}")
     total = plan.total_q if side == "q" else plan.total_k
@@ -692,6 +666,7 @@ def _side_total(plan: Plan, side: str, x: torch.Tensor) -> None:
                          f"{total}")
     if x.device != plan.device:
         raise ValueError(f"x is on {x.device} but the plan is on {plan.device}")
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 class MXFP8Launch(NamedTuple):
@@ -716,33 +691,31 @@ def quantize_mxfp8_launch(x: torch.Tensor, plan: Plan, block_tokens: int = 1, si
     """quantize_mxfp8, with more tensors in the same launch (the forward quantizes in one):
     second=(x2, transposed2), a tensor of x's shape, documents and block_tokens (K and V);
     queries=q, Q (T, Hq, D) of the same documents (Hq a multiple of H), per token, row-major."""
-    _check_tensor(x, "x")
     _check_block_tokens(block_tokens)
-    _side_total(plan, side, x)
-    x = x if x.stride(-1) == 1 else x.contiguous()
+    x = _quantizer_input(x, plan, side)
     T, H, D = x.shape
     t_pad = plan.padded_q if side == "q" else plan.padded_k
-    f8 = torch.float8_e4m3fn
+    f8, dev = torch.float8_e4m3fn, x.device
 
-    def alloc(transposed):
-        return MXFP8(None if transposed else torch.empty(T, H, D, dtype=f8, device=x.device),
-                     torch.empty(H, t_pad, dtype=torch.uint8, device=x.device),
-                     torch.empty(H, D, t_pad, dtype=f8, device=x.device) if transposed else None)
+    def alloc(transposed, heads=H):
+        return MXFP8(None if transposed else torch.empty(T, heads, D, dtype=f8, device=dev),
+                     torch.empty(heads, t_pad, dtype=torch.uint8, device=dev),
+                     torch.empty(heads, D, t_pad, dtype=f8, device=dev) if transposed else None)
 
-    def outputs(transposed):  # (the block-scaled result, where the per-token copy goes)
+    def outputs(x, transposed):  # the results for x and the kernel's arguments (Y .. stride_xh)
         out = alloc(transposed)
-        return out, (alloc(transposed) if per_token_copy else out)
-    out, tok = outputs(transposed)
-    data = lambda m, transposed: m.data_t if transposed else m.data
-    x2, transposed2 = second if second is not None else (x, transposed)
+        tok = alloc(transposed) if per_token_copy else out  # where the per-token copy goes
+        y = lambda m: m.data_t if transposed else m.data
+        return (out, tok), (y(out), out.exp, y(out), y(tok), tok.exp, y(tok), *x.stride()[:2])
+    (out, tok), args = outputs(x, transposed)
+    x2, transposed2, args2 = x, transposed, args
     if second is not None:
+        x2, transposed2 = second
         _check_tensor(x2, "second")
         if x2.shape != x.shape:
             raise ValueError(f"second has shape {tuple(x2.shape)}, expected x's {tuple(x.shape)}")
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-        out2, tok2 = outputs(transposed2)
-    else:
-        out2, tok2 = out, tok
+        (out2, tok2), args2 = outputs(x2, transposed2)
     xq, HQ, out_q = x, H, out
     if queries is not None:
         _check_tensor(queries, "queries")
@@ -754,16 +727,11 @@ def quantize_mxfp8_launch(x: torch.Tensor, plan: Plan, block_tokens: int = 1, si
                              f"multiple of {H}, {D})")
         xq = queries if queries.stride(-1) == 1 else queries.contiguous()
         HQ = xq.shape[1]
-        out_q = MXFP8(torch.empty(T, HQ, D, dtype=f8, device=x.device),
-                      torch.empty(HQ, t_pad, dtype=torch.uint8, device=x.device), None)
+        out_q = alloc(False, HQ)
     tiles = plan.tiles(QUANT_TILE, side, causal=False, skip_masked=False)
     if tiles.shape[0] > 0:
         _quantize_kernel[(tiles.shape[0], HQ, 1 + (second is not None) + (queries is not None))](
-            x, tiles, data(out, transposed), out.exp, data(out, transposed),
-            data(tok, transposed), tok.exp, data(tok, transposed), x.stride(0), x.stride(1), t_pad,
-            x2, data(out2, transposed2), out2.exp, data(out2, transposed2),
-            data(tok2, transposed2), tok2.exp, data(tok2, transposed2), x2.stride(0), x2.stride(1),
-            xq, data(out_q, False), out_q.exp, xq.stride(0), xq.stride(1),
+            x, tiles, *args, t_pad, x2, *args2, xq, out_q.data, out_q.exp, *xq.stride()[:2],
             H=H, HQ=HQ, D=D, BLOCK_T=QUANT_TILE, BLOCK_TOKENS=block_tokens, WRITE_T=transposed,
             WRITE_TOK=per_token_copy, PTX_CVT=not INTERPRETED, SECOND=second is not None,
             WRITE_T2=transposed2, QUERIES=queries is not None,
@@ -820,11 +788,9 @@ def _quantize_fp4_kernel(X, TILES, P, SB, S2, stride_xt, stride_xh, T,
 def quantize_fp4(x: torch.Tensor, plan: Plan, fmt: str = "nvfp4", side: str = "q") -> FP4:
     """Fused Triton FP4 quantizer: one launch, x (T, H, D) read once, into fmt "nvfp4" or "mxfp4"
     (see quantize_nvfp4_reference / quantize_mxfp4_reference)."""
-    _check_tensor(x, "x")
-    _side_total(plan, side, x)
+    x = _quantizer_input(x, plan, side)
     if fmt not in ("nvfp4", "mxfp4"):
         raise ValueError(f"fmt must be 'nvfp4' or 'mxfp4', got {fmt!r}")
-    x = x if x.stride(-1) == 1 else x.contiguous()
     T, H, D = x.shape
     mx = fmt == "mxfp4"
     out = FP4(torch.empty(T, H, D // 2, dtype=torch.uint8, device=x.device),
@@ -877,21 +843,16 @@ def _rotate_qk(q, k, softmax_scale):
 # that the kernel-vs-oracle tolerances allow for; the backward's P and dS are rounded to bf16. The
 # kernels are tested against it, and it is the CPU path. Quantizers are straight-through (identity
 # gradient), so autograd through it gives the gradients the kernels must reproduce.
-def _straight_through(x: torch.Tensor, deq: torch.Tensor) -> torch.Tensor:
-    """The value deq, exactly (x - x is 0), with the identity gradient to x. (x + (deq - x) would
-    round twice: not bit for bit the dequantized operand.)"""
+def _fake_quant(x: torch.Tensor, cu_seqlens: torch.Tensor, block_tokens: int, fmt: str = "e4m3"):
+    """x dequantized (fp32: FP4's s2 is not bf16), exactly (x - x is 0), with the identity gradient
+    to x. (x + (deq - x) would round twice: not bit for bit the dequantized operand.)"""
+    if fmt == "e4m3":
+        deq = quantize_mxfp8_reference(x.detach(), cu_seqlens, block_tokens).dequantize(cu_seqlens)
+    else:
+        quantize = quantize_nvfp4_reference if fmt == "nvfp4" else quantize_mxfp4_reference
+        deq = dequantize_fp4(*quantize(x.detach()))
     x = x.float()
     return deq + (x - x.detach())
-
-
-def _fake_quant(x: torch.Tensor, cu_seqlens: torch.Tensor, block_tokens: int) -> torch.Tensor:
-    deq = quantize_mxfp8_reference(x.detach(), cu_seqlens, block_tokens).dequantize(cu_seqlens)
-    return _straight_through(x, deq)
-
-
-def _fake_quant_fp4(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    quantize = quantize_nvfp4_reference if fmt == "nvfp4" else quantize_mxfp4_reference
-    return _straight_through(x, dequantize_fp4(*quantize(x.detach())))  # fp32: s2 is not bf16
 
 
 def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True,
@@ -920,10 +881,8 @@ def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True
     k_tok, v_tok = k, v
     if r.quantized:
         q = _fake_quant(q, cu_seqlens_q, 1)  # Q is never block-scaled: it would leak along rows
-        if r.k_fp4:
-            k = k_tok = _fake_quant_fp4(k, r.k_format)
-        else:
-            k_tok, k = _fake_quant(k, cu_seqlens_k, 1), _fake_quant(k, cu_seqlens_k, block_tokens)
+        k_tok = _fake_quant(k, cu_seqlens_k, 1, r.k_format)
+        k = k_tok if r.k_fp4 else _fake_quant(k, cu_seqlens_k, block_tokens)  # FP4: per token
         v_tok, v = _fake_quant(v, cu_seqlens_k, 1), _fake_quant(v, cu_seqlens_k, block_tokens)
     q, k, v, k_tok, v_tok = (x.to(cdt) for x in (q, k, v, k_tok, v_tok))
     if Hk != H:  # GQA / MQA: each K/V head serves H // Hk consecutive query heads
