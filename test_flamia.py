@@ -2552,6 +2552,23 @@ def test_attn_probe_logs_each_layers_error(tmp_path, cpu_training):
         tlm.validate(tlm.parse_config(TINY + ["--attn_probe_interval", "2", "--attn", "sdpa"]))
 
 
+def test_eval_attn_scores_the_same_weights_with_other_attentions(tmp_path, cpu_training):
+    """--eval_attn: after training, the validation loss again on the same weights and batches with each
+    listed attention. The run's own attention reproduces its final val loss exactly (the same function);
+    another recipe or rounding gives another loss; misuse is refused."""
+    items = "bf16,mxfp8,bf16:qk,bf16:v"
+    hist = tlm.main(TINY + ["--max_steps", "6", "--eval_interval", "6", "--attn", "mxfp8", "--eval_attn", items,
+                            "--out_dir", str(tmp_path)])
+    got = hist["eval_attn"]
+    assert list(got) == items.split(","), got
+    assert got["mxfp8"] == hist["final_val"], (got, hist["final_val"])
+    assert len({got[k] for k in ("bf16", "mxfp8", "bf16:qk", "bf16:v")}) == 4, got  # each rounding shows
+    assert all(abs(x / got["bf16"] - 1) < 0.05 for x in got.values()), got  # ...and stays a small change
+    for bad in ("mxfp9", "mxfp8:q", "bf16:qx"):
+        with pytest.raises(SystemExit):
+            tlm.validate(tlm.parse_config(TINY + ["--eval_attn", bad]))
+
+
 def test_data_formats(tmp_path):
     txt = tmp_path / "corpus.txt"
     txt.write_text("doc one\nline\n\n\ndoc two\n\n\n\n\ndoc three\n")  # two or more blank lines separate

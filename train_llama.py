@@ -45,7 +45,7 @@ import re
 import sys
 import textwrap
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -77,6 +77,7 @@ class Config:
     rotate_qk: bool = False  # Hadamard-rotate Q and K before quantizing (flamia rotate_qk; same logits)
     round_only: str = ""  # diagnostic, with --attn bf16: round just these of q,k,v to MXFP8 (per token), P in bf16
     attn_probe_interval: int = 0  # diagnostic: every N steps, each layer's attention error vs bf16 (attn_probe.csv)
+    eval_attn: str = ""  # diagnostic: after training, val loss again with each of these attentions (bf16,mxfp8,bf16:qk)
     block_tokens: int = flamia.DEFAULT_BLOCK_TOKENS  # tokens per K/V scale block (128: faster on long documents)
     tokens_per_batch: int = 32768  # token budget per rank and step; global batch = this x world size
     max_doc_len: int = 2048  # context window: longer documents are cut into pieces this long
@@ -174,6 +175,11 @@ def validate(cfg: Config):
     if cfg.round_only and (cfg.attn != "bf16" or cfg.block_tokens != 1 or set(cfg.round_only) - set("qkv")):
         die(f"--round_only {cfg.round_only!r}: letters of 'qkv', with --attn bf16 and --block_tokens 1 (it "
             "rounds those operands to per-token MXFP8 before FLAMIA's bf16 kernels)")
+    for item in filter(None, cfg.eval_attn.split(",")):  # RECIPE, or bf16:LETTERS (as --round_only)
+        attn, _, letters = item.partition(":")
+        if attn not in attns or (letters and (attn != "bf16" or set(letters) - set("qkv"))) or cfg.compile:
+            die(f"--eval_attn {item!r}: a recipe of {', '.join(attns)}, or bf16:LETTERS of 'qkv' (--round_only); "
+                "not with --compile")
     if cfg.attn_probe_interval and (cfg.attn == "sdpa" or cfg.compile):
         die("--attn_probe_interval measures a FLAMIA recipe against FLAMIA's bf16 kernels, eagerly: "
             "not with --attn sdpa or --compile")
@@ -680,6 +686,17 @@ def train(cfg: Config) -> dict:
         val = evaluate(raw, val_batches, ctx, world, device)
         hist["val_loss"].append((step, val))
     hist["final_val"] = val
+    if cfg.eval_attn:  # the same weights and val batches, another attention: its cost free of training noise
+        hist["eval_attn"] = {}
+        for item in cfg.eval_attn.split(","):
+            attn, _, letters = item.partition(":")
+            for blk in raw.blocks:
+                blk.cfg = replace(cfg, attn=attn, round_only=letters)
+            hist["eval_attn"][item] = evaluate(raw, val_batches, ctx, world, device)
+        for blk in raw.blocks:
+            blk.cfg = cfg
+        log("val loss of the trained weights with other attentions: " +
+            ", ".join(f"{k} {v:.4f} ({v / val - 1:+.2%})" for k, v in hist["eval_attn"].items()))
     write_log()
     if master:
         plot(rows, os.path.join(cfg.out_dir, "loss.png"), cfg)
