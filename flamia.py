@@ -1661,8 +1661,7 @@ def _delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
 
 
 def _dequantize(x: MXFP8, dtype: torch.dtype, plan: Plan, side: str) -> torch.Tensor:
-    """The Triton twin of MXFP8.dequantize(), into bf16 / fp16 for the backward's MMAs; from the
-    row-major data, or from the token-transposed copy when that is all there is (V)."""
+    """The Triton twin of MXFP8.dequantize(), into bf16 / fp16 for the backward's MMAs."""
     H, t_pad = x.exp.shape
     T = plan.total_q if side == "q" else plan.total_k
     transposed = x.data is None
@@ -1708,8 +1707,8 @@ def _query_range(key_start, key_end, q_len, shift, BLOCK_M: tl.constexpr,
 def _attn_bwd_dkdv_step(dk, dv, lse2, delta, k, v, ks, vs, kscale, pos_k, start_m,
                         Q, DO, LSE, DELTA, q_len, shift, H, sm_scale_log2,
                         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-                        CAUSAL: tl.constexpr, MASKED: tl.constexpr, PAIR_SAFEGUARD: tl.constexpr,
-                        K_SCALED: tl.constexpr):
+                        CAUSAL: tl.constexpr, K_SCALED: tl.constexpr, MASKED: tl.constexpr,
+                        PAIR_SAFEGUARD: tl.constexpr):
     """One query tile at document-local row start_m (pointers at the document start and query
     head); its LSE and Delta arrive loaded one step ahead, as the forward's scales."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -1786,22 +1785,19 @@ def _attn_bwd_dkdv(
         lse2, delta = _query_rows(LSEh, DELTAh, q_lo + tl.arange(0, BLOCK_M), q_len)
         for start_m in range(q_lo, q_mid, BLOCK_M):  # the three loops walk one tile sequence
             dk, dv, lse2, delta = _attn_bwd_dkdv_step(
-                dk, dv, lse2, delta, k_diag, v_diag, ks, vs, kscale, pos_k, start_m,
-                Qh, DOh, LSEh, DELTAh, q_len, shift, H, sm_scale_log2, D=D, BLOCK_M=BLOCK_M,
-                BLOCK_TOKENS=BLOCK_TOKENS, CAUSAL=CAUSAL, MASKED=True,
-                PAIR_SAFEGUARD=SAFEGUARD == "pair", K_SCALED=K_SCALED)
+                dk, dv, lse2, delta, k_diag, v_diag, ks, vs, kscale, pos_k, start_m, Qh, DOh, LSEh,
+                DELTAh, q_len, shift, H, sm_scale_log2, D, BLOCK_M, BLOCK_TOKENS, CAUSAL, K_SCALED,
+                MASKED=True, PAIR_SAFEGUARD=SAFEGUARD == "pair")
         for start_m in range(q_mid, q_full, BLOCK_M):
             dk, dv, lse2, delta = _attn_bwd_dkdv_step(
-                dk, dv, lse2, delta, k, v, ks, vs, kscale, pos_k, start_m,
-                Qh, DOh, LSEh, DELTAh, q_len, shift, H, sm_scale_log2, D=D, BLOCK_M=BLOCK_M,
-                BLOCK_TOKENS=BLOCK_TOKENS, CAUSAL=CAUSAL, MASKED=False, PAIR_SAFEGUARD=False,
-                K_SCALED=K_SCALED)
+                dk, dv, lse2, delta, k, v, ks, vs, kscale, pos_k, start_m, Qh, DOh, LSEh, DELTAh,
+                q_len, shift, H, sm_scale_log2, D, BLOCK_M, BLOCK_TOKENS, CAUSAL, K_SCALED,
+                MASKED=False, PAIR_SAFEGUARD=False)
         for start_m in range(tl.maximum(q_full, q_mid), q_len, BLOCK_M):
             dk, dv, lse2, delta = _attn_bwd_dkdv_step(
-                dk, dv, lse2, delta, k, v, ks, vs, kscale, pos_k, start_m,
-                Qh, DOh, LSEh, DELTAh, q_len, shift, H, sm_scale_log2, D=D, BLOCK_M=BLOCK_M,
-                BLOCK_TOKENS=BLOCK_TOKENS, CAUSAL=CAUSAL, MASKED=True, PAIR_SAFEGUARD=False,
-                K_SCALED=K_SCALED)
+                dk, dv, lse2, delta, k, v, ks, vs, kscale, pos_k, start_m, Qh, DOh, LSEh, DELTAh,
+                q_len, shift, H, sm_scale_log2, D, BLOCK_M, BLOCK_TOKENS, CAUSAL, K_SCALED,
+                MASKED=True, PAIR_SAFEGUARD=False)
     tl.store(DK + ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=kmask[:, None])
     tl.store(DV + ptrs, dv.to(DV.dtype.element_ty), mask=kmask[:, None])
 
@@ -1809,8 +1805,8 @@ def _attn_bwd_dkdv(
 @triton.jit
 def _attn_bwd_dq_step(dq, q, do, lse2, delta, pos_q, start_n, K, V, KS, VS, K_SCALE, k_len, HK,
                       sm_scale_log2, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                      PAIR_SAFEGUARD: tl.constexpr, K_SCALED: tl.constexpr):
+                      BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, K_SCALED: tl.constexpr,
+                      MASKED: tl.constexpr, PAIR_SAFEGUARD: tl.constexpr):
     """One key tile at document-local offset start_n (pointers at the document start and head)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     kmask = offs_n < k_len
@@ -1864,15 +1860,14 @@ def _attn_bwd_dq(
     dq = tl.zeros((BLOCK_M, D), tl.float32)
     for start_n in range(0, n_full, BLOCK_N):
         dq = _attn_bwd_dq_step(dq, q, do, lse2, delta, pos_q, start_n, K, V, KS, VS, K_SCALE, k_len,
-                               HK, sm_scale_log2, D=D, BLOCK_N=BLOCK_N, BLOCK_TOKENS=BLOCK_TOKENS,
-                               CAUSAL=CAUSAL, MASKED=False, PAIR_SAFEGUARD=False, K_SCALED=K_SCALED)
+                               HK, sm_scale_log2, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, K_SCALED,
+                               MASKED=False, PAIR_SAFEGUARD=False)
     if SAFEGUARD == "tile":  # the masked key tiles all lie in this query tile's block
         K, V = KS, VS
     for start_n in range(n_full, n_end, BLOCK_N):
         dq = _attn_bwd_dq_step(dq, q, do, lse2, delta, pos_q, start_n, K, V, KS, VS, K_SCALE, k_len,
-                               HK, sm_scale_log2, D=D, BLOCK_N=BLOCK_N, BLOCK_TOKENS=BLOCK_TOKENS,
-                               CAUSAL=CAUSAL, MASKED=True, PAIR_SAFEGUARD=SAFEGUARD == "pair",
-                               K_SCALED=K_SCALED)
+                               HK, sm_scale_log2, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, K_SCALED,
+                               MASKED=True, PAIR_SAFEGUARD=SAFEGUARD == "pair")
     tl.store(DQ + ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=qmask[:, None])
 
 
@@ -1886,21 +1881,19 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
     delta = _delta(o, do)  # (H, Tq): rowsum(P * dP) = dO . O
     k_scale = delta  # unused unless K_SCALED
     if r.quantized:  # bf16 kernels on the exactly dequantized operands (see the section comment)
-        deq = lambda data, exp, side, data_t=None: _dequantize(MXFP8(data, exp, data_t), q.dtype,
-                                                               plan, side)
-        q, v = deq(ops.q, ops.q_exp, "q"), deq(None, ops.v_exp, "k", ops.v_t)
+        deq = lambda side, *mxfp8: _dequantize(MXFP8(*mxfp8), q.dtype, plan, side)
+        q, v = deq("q", ops.q, ops.q_exp), deq("k", None, ops.v_exp, ops.v_t)
         if r.k_fp4:
             k, k_scale = _decode_fp4(ops, q.dtype), ops.k_exp
         else:
-            k = deq(ops.k, ops.k_exp, "k")
-        ks = deq(ops.k_tok, ops.k_tok_exp, "k") if var.copies and not r.k_fp4 else k
-        vs = deq(None, ops.v_tok_exp, "k", ops.v_tok_t) if var.copies else v
+            k = deq("k", ops.k, ops.k_exp)
+        ks = deq("k", ops.k_tok, ops.k_tok_exp) if var.copies and not r.k_fp4 else k
+        vs = deq("k", None, ops.v_tok_exp, ops.v_tok_t) if var.copies else v
     else:
         q, k, v = (x.contiguous() for x in (q, k, v))
         ks, vs = k, v
     init = torch.zeros if plan.keys_without_rows else torch.empty
-    dk, dv = init(Tk, HK, D, dtype=q.dtype, device=q.device), init(Tk, HK, D, dtype=q.dtype,
-                                                                   device=q.device)
+    dk, dv = (init(Tk, HK, D, dtype=q.dtype, device=q.device) for _ in "kv")
     if var.bwd == "gluon":  # flamia_hopper.py's backward: the same function, dQ by fp32 atomics
         tiles = plan.tiles(flamia_hopper.BWD_BLOCK_N, "k", causal)
         dq = flamia_hopper.attn_bwd(q, k, v, ks, vs, do, lse, delta, dk, dv, tiles,
