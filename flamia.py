@@ -1962,13 +1962,12 @@ def _operand_layout(recipe: Recipe, copies: bool, Tq, Tk, H, HK, D, q_pad, k_pad
     return Operands(((Tq, H, D), f8), ((H, q_pad), u8), *k, *k_tok, *v, *v_tok)
 
 
-def _empty_operands(layout: Operands, like: torch.Tensor) -> Operands:
-    return Operands(*(like.new_empty(shape, dtype=dtype) for shape, dtype in layout))
-
-
 def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, copies: bool):
     """The forward's Operands: ONE fused quantizer launch for Q, K and V (self-attention; two
-    when the query documents differ from the key documents or K is FP4)."""
+    when the query documents differ from the key documents or K is FP4); bf16: all unused."""
+    unused = lambda: q.new_empty(0, dtype=torch.float32)
+    if not recipe.quantized:
+        return Operands(*(unused() for _ in Operands._fields))
     # Q per token: a scale shared along its rows would leak. V only token-transposed: the K-major
     # operand of P V (the backward dequantizes this copy).
     queries = q if plan.same_documents else None  # one tile table for Q and K: Q joins the launch
@@ -1988,7 +1987,7 @@ def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, c
         q8 = quantize_mxfp8(q, plan, 1, "q")
     v_tok = (v8.tok.data_t, v8.tok.exp) if copies else (None, None)
     parts = (q8.data, q8.exp, *k_parts, *k_tok, v8.data_t, v8.exp, *v_tok)
-    return Operands(*(p if p is not None else q.new_empty(0, dtype=torch.float32) for p in parts))
+    return Operands(*(p if p is not None else unused() for p in parts))
 
 
 _DENSE_PLANS = {}  # (B, Sq, Sk, device) -> Plan of flamia_attn_func's equal-length documents
@@ -2040,13 +2039,7 @@ def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: t
         _check_finite(q, k, v)
     if var.refusal:
         raise ValueError(var.refusal)
-    r = var.recipe
-    if r.quantized:
-        ops = _quantize_operands(q, k, v, plan, r, block_tokens, var.copies)
-    else:
-        ops = _empty_operands(_operand_layout(r, var.copies, q.shape[0], k.shape[0], q.shape[1],
-                                              k.shape[1], q.shape[2], plan.padded_q,
-                                              plan.padded_k), q)
+    ops = _quantize_operands(q, k, v, plan, var.recipe, block_tokens, var.copies)
     o, lse = _attn_forward(q, k, v, ops, plan, var, causal=causal, softmax_scale=softmax_scale,
                            block_tokens=block_tokens)
     return [o, lse, *ops]
@@ -2065,7 +2058,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale, recipe,
     layout = _operand_layout(r, _token_copies(r, causal, safeguard, block_tokens), Tq, Tk, H, HK, D,
                              padded_tokens(Tq, n_docs), padded_tokens(Tk, n_docs))
     return [torch.empty_like(q), q.new_empty(H, Tq, dtype=torch.float32),
-            *_empty_operands(layout, q)]
+            *(q.new_empty(shape, dtype=dtype) for shape, dtype in layout)]
 
 
 def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -2084,8 +2077,7 @@ _bwd_op = torch.library.custom_op("flamia::bwd", _bwd_impl, mutates_args=(),
 
 
 @_bwd_op.register_fake
-def _(do, q, k, v, o, lse, ops, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale, recipe,
-      block_tokens, safeguard, backend, deterministic):
+def _(do, q, k, v, *_):
     return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
 
 
