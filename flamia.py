@@ -2173,49 +2173,38 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
                             block_tokens=DEFAULT_BLOCK_TOKENS, safeguard=True, rotate_qk=False,
                             backend=None, plan=None, return_lse=False, check_finite=False,
                             deterministic=False):
-    """FLAMIA attention on packed documents (flash-attn's varlen signature).
+    """FLAMIA attention on packed documents: flash-attn's varlen signature and layouts. README.md's
+    API table gives each option, and why its default.
 
     q: (total_q, H, D); k, v: (total_k, Hk, D) with H % Hk == 0 (GQA/MQA); bf16 or fp16; D 64/128.
     cu_seqlens_q / cu_seqlens_k: int32 (n_docs + 1,) document offsets; max_seqlen_*: upper bounds
-    of the document lengths (as in flash-attn). causal: per-document mask, bottom-right aligned.
-    recipe: "mxfp8" (FLAMIA), "bf16" (the same kernels without quantization), "nvfp4" or "mxfp4"
-        (K in FP4; Q, V in MXFP8).
-    block_tokens: tokens per K/V scale block (1, 32, 64, 128); Q is always scaled per token.
-    safeguard: False disables the causal safeguard (LEAKS the future; for tests and demos only).
-    rotate_qk: multiply Q and K by a +-1 Hadamard matrix with random signs before quantizing
-        (same S, less quantization error when head-dim channels have outliers).
-    backend: "wgmma" (fp8 tl.dot, scales outside the MMA), "dot_scaled" (E8M0 scales inside the
-        MMA) or "gluon" (flamia_hopper.py's Hopper kernels); default: chosen per call (variant()).
-    deterministic: the backward's tl kernels, bitwise reproducible (Gluon's backward, the default at
-        head_dim 64 on Hopper, adds dQ with fp32 atomics: last-bit differences from run to run).
-    plan: flamia_plan(cu_seqlens_q, cu_seqlens_k), built once per batch and shared by all layers;
-        without it each call finds or builds one (a host sync when it builds). With a plan, the
-        cu_seqlens may be None (the plan's own); others than the plan's are refused (ValueError).
-    check_finite: raise ValueError on inf/NaN inputs (one host sync per call).
-    Returns out (total_q, H, D) [and lse (H, total_q), natural log, not differentiable].
+    of the document lengths. causal: per-document mask, bottom-right aligned. recipe: "mxfp8",
+    "bf16" (the same kernels without quantization), "nvfp4" / "mxfp4" (K in FP4). block_tokens: per
+    K/V scale block (1, 32, 64, 128). safeguard=False LEAKS the future (tests and demos only).
+    backend: "wgmma", "dot_scaled", "gluon", or None: chosen per call (variant()). plan:
+    flamia_plan(...), built once per batch for all layers (without it each call finds or builds one:
+    a host sync when it builds); with it the cu_seqlens may be None, and others than its own are
+    refused. Returns out (total_q, H, D) [and lse (H, total_q), natural log, not differentiable].
     """
     _check_qkv(q, k, v, 3)
     _check_options(recipe, block_tokens, backend)
+    if plan is not None and not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a flamia.Plan (from flamia_plan), got {type(plan).__name__}")
+    if plan is not None and plan.device != q.device:
+        raise ValueError(f"the plan is on {plan.device} but q is on {q.device}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu is None and plan is not None:  # the plan's own
+            continue
+        _check_cu_seqlens(cu, name)
+        if plan is not None:  # compiling: its host read of cu must stay out of the traced graph
+            check = plan.check_offsets
+            (torch.compiler.disable(check) if torch.compiler.is_compiling() else check)(cu, name)
+        elif cu.device != q.device:
+            raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
     if plan is not None:
-        if not isinstance(plan, Plan):
-            raise TypeError(f"plan must be a flamia.Plan (from flamia_plan), got "
-                            f"{type(plan).__name__}")
-        if plan.device != q.device:
-            raise ValueError(f"the plan is on {plan.device} but q is on {q.device}")
-        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-            if cu is not None:  # None: the plan's own
-                _check_cu_seqlens(cu, name)
-                # compiling: the comparison may read cu to the host, which a traced graph cannot
-                check = plan.check_offsets
-                (torch.compiler.disable(check) if torch.compiler.is_compiling() else check)(cu, name)
         cu_seqlens_q, cu_seqlens_k = plan.cu_seqlens_q, plan.cu_seqlens_k
-    else:
-        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-            _check_cu_seqlens(cu, name)
-            if cu.device != q.device:
-                raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
-        if not torch.compiler.is_compiling():  # while tracing, the custom op checks and plans
-            plan = _plan_for(cu_seqlens_q, cu_seqlens_k, [0, 0, 0])
+    elif not torch.compiler.is_compiling():  # while tracing, the custom op checks and plans
+        plan = _plan_for(cu_seqlens_q, cu_seqlens_k, [0, 0, 0])
     if plan is not None:
         _check_plan(plan, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     o, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, [0, 0, 0], causal, softmax_scale,
