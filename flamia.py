@@ -2249,9 +2249,8 @@ _HF_PLANS = {}  # id(a batch's cu_seq_lens_q or position_ids) -> (stamp, Plan), 
 
 
 def _hf_plan(batch_tensor: torch.Tensor, query: torch.Tensor, make_plan) -> Plan:
-    """The Plan of the batch that `batch_tensor` belongs to: made by make_plan() on a forward's
-    first layer, found by the others (keyed by the tensor object; rebuilt if it was changed in
-    place or now serves another batch shape or device)."""
+    """The Plan of `batch_tensor`'s batch, keyed by the tensor object: make_plan() builds it, again
+    if the tensor was changed in place or now serves another batch shape or device."""
     key = id(batch_tensor)
     stamp = (batch_tensor._version, query.shape[0], query.shape[2], query.device)
     hit = _HF_PLANS.get(key)
@@ -2282,9 +2281,8 @@ def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BL
         AttentionMaskInterface.register("flamia", transformers.masking_utils.flash_attention_mask)
     The second line matters: without a mask function for the name, transformers DROPS a padding
     mask before any custom attention sees it; with flash_attention_mask it arrives and is refused.
-    Refused with a ValueError (never silently wrong): a padding or 4-D attention_mask, dropout > 0,
-    sliding windows, logit softcapping, query length != key length (a KV cache). Non-causal modules
-    get per-document full attention; GQA is native; scaling is the softmax scale."""
+    What it does not compute is refused (ValueError naming the argument), never computed wrong.
+    Non-causal modules get per-document full attention; GQA is native; scaling is the softmax scale."""
     _check_options(recipe, block_tokens, options.get("backend"))
 
     def flamia_hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
