@@ -2451,15 +2451,12 @@ INTERPRETED = not isinstance(_attn_fwd, triton.runtime.JITFunction)
 INTERPRETER_MIN_TRITON = (3, 8)
 
 
-def _check_interpreter_version() -> None:
+def _fix_interpreter_numerics():
     if tuple(int(p) for p in triton.__version__.split(".")[:2]) < INTERPRETER_MIN_TRITON:
         need = ".".join(map(str, INTERPRETER_MIN_TRITON))
         raise RuntimeError(f"FLAMIA's kernels in Triton's CPU interpreter (TRITON_INTERPRET=1) need "
                            f"triton >= {need}, found {triton.__version__}: pip install 'triton>={need}', "
                            f"or unset TRITON_INTERPRET (without a GPU FLAMIA then runs its PyTorch oracle)")
-
-
-def _fix_interpreter_numerics():
     import numpy as np
     from triton._C.libtriton import ir
     from triton.runtime import interpreter as interp
@@ -2492,10 +2489,7 @@ def _fix_interpreter_numerics():
         return out.view(f"uint{n_out}")  # the original's contract: raw bits
 
     def create_dot(self, a, b, d, *args):  # bug (1): upcast bf16 to fp32 (exact) first
-        if a.dtype.scalar == tl.bfloat16:
-            a = orig_cast(self, a, tl.float32)
-        if b.dtype.scalar == tl.bfloat16:
-            b = orig_cast(self, b, tl.float32)
+        a, b = (orig_cast(self, x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x for x in (a, b))
         return orig_dot(self, a, b, d, *args)
 
     def cast_impl(self, src, dst_type):  # bug (3): go through fp32 and the fixed rounding
@@ -2508,5 +2502,4 @@ def _fix_interpreter_numerics():
 
 
 if INTERPRETED:
-    _check_interpreter_version()
     _fix_interpreter_numerics()
