@@ -1652,14 +1652,6 @@ def _dequantize_kernel(X, E, Y, TILES, T_PAD, H: tl.constexpr, D: tl.constexpr,
              mask=mask[:, None])
 
 
-def _delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
-    T, H, D = o.shape
-    delta = torch.empty(H, T, dtype=torch.float32, device=o.device)
-    if T > 0:
-        _delta_kernel[(triton.cdiv(T, 64), H)](o, do, delta, T, H, D=D, BLOCK_T=64)
-    return delta
-
-
 def _dequantize(x: MXFP8, dtype: torch.dtype, plan: Plan, side: str) -> torch.Tensor:
     """The Triton twin of MXFP8.dequantize(), into bf16 / fp16 for the backward's MMAs."""
     H, t_pad = x.exp.shape
@@ -1878,7 +1870,9 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
     Tk, HK = k.shape[:2]
     r = var.recipe
     do = do.contiguous()
-    delta = _delta(o, do)  # (H, Tq): rowsum(P * dP) = dO . O
+    delta = torch.empty(H, Tq, dtype=torch.float32, device=o.device)  # rowsum(P * dP) = dO . O
+    if Tq > 0:
+        _delta_kernel[(triton.cdiv(Tq, 64), H)](o, do, delta, Tq, H, D=D, BLOCK_T=64)
     k_scale = delta  # unused unless K_SCALED
     if r.quantized:  # bf16 kernels on the exactly dequantized operands (see the section comment)
         deq = lambda side, *mxfp8: _dequantize(MXFP8(*mxfp8), q.dtype, plan, side)
