@@ -2113,7 +2113,8 @@ def kernels_available(device) -> bool:
     return torch.device(device).type == "cuda" or interpreting
 
 
-def _check_qkv(q, k, v, dims: int) -> None:
+def _check_call(q, k, v, dims: int, recipe, block_tokens, backend) -> None:
+    """A public call's q, k, v and options, checked before the kernels or the oracle run."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(x, name, dims)
         if x.dtype not in (torch.bfloat16, torch.float16):
@@ -2130,6 +2131,7 @@ def _check_qkv(q, k, v, dims: int) -> None:
     if q.shape[-2] % k.shape[-2] != 0:
         raise ValueError(f"the number of q heads ({q.shape[-2]}) must be a multiple of the number "
                          f"of k/v heads ({k.shape[-2]}) (GQA/MQA)")
+    _check_options(recipe, block_tokens, backend)
 
 
 def _check_options(recipe, block_tokens, backend) -> None:
@@ -2180,8 +2182,7 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     a host sync when it builds); with it the cu_seqlens may be None, and others than its own are
     refused. Returns out (total_q, H, D) [and lse (H, total_q), natural log, not differentiable].
     """
-    _check_qkv(q, k, v, 3)
-    _check_options(recipe, block_tokens, backend)
+    _check_call(q, k, v, 3, recipe, block_tokens, backend)
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan must be a flamia.Plan (from flamia_plan), got {type(plan).__name__}")
     if plan is not None and plan.device != q.device:
@@ -2212,17 +2213,15 @@ def flamia_attn_func(q, k, v, *, causal=True, softmax_scale=None, recipe="mxfp8"
                      backend=None, return_lse=False, check_finite=False, deterministic=False):
     """FLAMIA attention on (batch, seqlen, heads, head_dim) tensors; see flamia_attn_varlen_func.
     Returns out (B, Sq, H, D) [and lse (B, H, Sq)]. No host sync (the Plan comes from shapes)."""
-    _check_qkv(q, k, v, 4)
-    _check_options(recipe, block_tokens, backend)
+    _check_call(q, k, v, 4, recipe, block_tokens, backend)
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and "
                          f"{k.shape[0]}")
     (B, Sq, H, D), Sk = q.shape, k.shape[1]
     cu = lambda s: torch.arange(0, (B + 1) * s, s, dtype=torch.int32, device=q.device)
-    o, lse = _attention(q.reshape(B * Sq, H, D), k.reshape(B * Sk, *k.shape[2:]),
-                        v.reshape(B * Sk, *v.shape[2:]), cu(Sq), cu(Sk), [B, Sq, Sk], causal,
-                        softmax_scale, recipe, block_tokens, safeguard, rotate_qk, backend,
-                        check_finite, deterministic)
+    o, lse = _attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu(Sq), cu(Sk),
+                        [B, Sq, Sk], causal, softmax_scale, recipe, block_tokens, safeguard,
+                        rotate_qk, backend, check_finite, deterministic)
     o, lse = o.view(B, Sq, H, D), lse.view(H, B, Sq).transpose(0, 1)
     return (o, lse) if return_lse else o
 
@@ -2276,7 +2275,7 @@ def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BL
     The second line matters: without a mask function for the name, transformers DROPS a padding
     mask before any custom attention sees it; with flash_attention_mask it arrives and is refused.
     What it does not compute is refused (ValueError naming the argument), never computed wrong.
-    Non-causal modules get per-document full attention; GQA is native; scaling is the softmax scale."""
+    Non-causal modules: full attention per document; GQA is native; scaling is the softmax scale."""
     _check_options(recipe, block_tokens, options.get("backend"))
 
     def flamia_hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
