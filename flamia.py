@@ -2482,7 +2482,8 @@ def _fix_interpreter_numerics():
         return out.view(f"uint{n_out}")  # the original's contract: raw bits
 
     def create_dot(self, a, b, d, *args):  # bug (1): upcast bf16 to fp32 (exact) first
-        a, b = (orig_cast(self, x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x for x in (a, b))
+        a, b = (orig_cast(self, x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x
+                for x in (a, b))
         return orig_dot(self, a, b, d, *args)
 
     def cast_impl(self, src, dst_type):  # bug (3): go through fp32 and the fixed rounding
