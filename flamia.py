@@ -2321,9 +2321,8 @@ def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BL
             plan = _hf_plan(pos, query, lambda: flamia_plan(_documents_of(pos, B, Sq),
                                                             device=query.device))
         # max_length_q/k are only bounds: the Plan knows the exact longest documents
-        o = flamia_attn_varlen_func(q.reshape(B * Sq, H, D), k.reshape(B * Sk, -1, D),
-                                    v.reshape(B * Sk, -1, D), plan.cu_seqlens_q, plan.cu_seqlens_k,
-                                    None, None, plan=plan, **kw)
+        o = flamia_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                                    plan.cu_seqlens_q, plan.cu_seqlens_k, None, None, plan=plan, **kw)
         return o.view(B, Sq, H, D), None
 
     return flamia_hf_attention
