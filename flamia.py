@@ -2379,7 +2379,7 @@ def audit_causality(attn_fn, *, heads=2, kv_heads=None, head_dim=64, doc_lens=AU
         return torch.cat([r.detach().reshape(T, -1).float() for r in rows], 1)
 
     ref = run(base)
-    own = ref.shape[1] - (2 * kv_heads * head_dim if gradients else 0)  # columns but dK, dV
+    own = ref.shape[1] - (2 * kv_heads * head_dim if gradients else 0)  # all but dK, dV (docstring)
     doc_of = torch.searchsorted(torch.tensor(offsets), torch.arange(T), right=True) - 1
     if positions is None:  # per document: the middle and end of the first block, a late token
         positions = {d: sorted({p for p in (L // 2, min(L - 1, 20), L - 1) if 0 < p < L})
