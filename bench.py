@@ -664,9 +664,7 @@ def sm100_launches(kind, recipe, backend, D, block_tokens, T=512, H=2):
         q, k, v, do = (torch.randn(T, H, D, dtype=torch.bfloat16) for _ in range(4))
         plan = flamia.Plan(torch.tensor([0, T], dtype=torch.int32))
         var = flamia.variant(q, recipe, block_tokens, plan, True, True, backend)
-        r = var.recipe
-        ops = (flamia._quantize_operands(q, k, v, plan, r, block_tokens, var.copies) if r.quantized else
-               flamia._empty_operands(flamia._operand_layout(r, var.copies, T, T, H, H, D, 128, 128), q))
+        ops = flamia._quantize_operands(q, k, v, plan, var.recipe, block_tokens, var.copies)
         kw = dict(causal=True, softmax_scale=D ** -0.5, block_tokens=block_tokens)
         o, lse = flamia._attn_forward(q, k, v, ops, plan, var, **kw)
         if kind == "bwd":

@@ -1652,17 +1652,8 @@ def _dequantize_kernel(X, E, Y, TILES, T_PAD, H: tl.constexpr, D: tl.constexpr,
              mask=mask[:, None])
 
 
-def _delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
-    T, H, D = o.shape
-    delta = torch.empty(H, T, dtype=torch.float32, device=o.device)
-    if T > 0:
-        _delta_kernel[(triton.cdiv(T, 64), H)](o, do, delta, T, H, D=D, BLOCK_T=64)
-    return delta
-
-
 def _dequantize(x: MXFP8, dtype: torch.dtype, plan: Plan, side: str) -> torch.Tensor:
-    """The Triton twin of MXFP8.dequantize(), into bf16 / fp16 for the backward's MMAs; from the
-    row-major data, or from the token-transposed copy when that is all there is (V)."""
+    """The Triton twin of MXFP8.dequantize(), into bf16 / fp16 for the backward's MMAs."""
     H, t_pad = x.exp.shape
     T = plan.total_q if side == "q" else plan.total_k
     transposed = x.data is None
@@ -1708,8 +1699,8 @@ def _query_range(key_start, key_end, q_len, shift, BLOCK_M: tl.constexpr,
 def _attn_bwd_dkdv_step(dk, dv, lse2, delta, k, v, ks, vs, kscale, pos_k, start_m,
                         Q, DO, LSE, DELTA, q_len, shift, H, sm_scale_log2,
                         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-                        CAUSAL: tl.constexpr, MASKED: tl.constexpr, PAIR_SAFEGUARD: tl.constexpr,
-                        K_SCALED: tl.constexpr):
+                        CAUSAL: tl.constexpr, K_SCALED: tl.constexpr, MASKED: tl.constexpr,
+                        PAIR_SAFEGUARD: tl.constexpr):
     """One query tile at document-local row start_m (pointers at the document start and query
     head); its LSE and Delta arrive loaded one step ahead, as the forward's scales."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -1786,22 +1777,19 @@ def _attn_bwd_dkdv(
         lse2, delta = _query_rows(LSEh, DELTAh, q_lo + tl.arange(0, BLOCK_M), q_len)
         for start_m in range(q_lo, q_mid, BLOCK_M):  # the three loops walk one tile sequence
             dk, dv, lse2, delta = _attn_bwd_dkdv_step(
-                dk, dv, lse2, delta, k_diag, v_diag, ks, vs, kscale, pos_k, start_m,
-                Qh, DOh, LSEh, DELTAh, q_len, shift, H, sm_scale_log2, D=D, BLOCK_M=BLOCK_M,
-                BLOCK_TOKENS=BLOCK_TOKENS, CAUSAL=CAUSAL, MASKED=True,
-                PAIR_SAFEGUARD=SAFEGUARD == "pair", K_SCALED=K_SCALED)
+                dk, dv, lse2, delta, k_diag, v_diag, ks, vs, kscale, pos_k, start_m, Qh, DOh, LSEh,
+                DELTAh, q_len, shift, H, sm_scale_log2, D, BLOCK_M, BLOCK_TOKENS, CAUSAL, K_SCALED,
+                MASKED=True, PAIR_SAFEGUARD=SAFEGUARD == "pair")
         for start_m in range(q_mid, q_full, BLOCK_M):
             dk, dv, lse2, delta = _attn_bwd_dkdv_step(
-                dk, dv, lse2, delta, k, v, ks, vs, kscale, pos_k, start_m,
-                Qh, DOh, LSEh, DELTAh, q_len, shift, H, sm_scale_log2, D=D, BLOCK_M=BLOCK_M,
-                BLOCK_TOKENS=BLOCK_TOKENS, CAUSAL=CAUSAL, MASKED=False, PAIR_SAFEGUARD=False,
-                K_SCALED=K_SCALED)
+                dk, dv, lse2, delta, k, v, ks, vs, kscale, pos_k, start_m, Qh, DOh, LSEh, DELTAh,
+                q_len, shift, H, sm_scale_log2, D, BLOCK_M, BLOCK_TOKENS, CAUSAL, K_SCALED,
+                MASKED=False, PAIR_SAFEGUARD=False)
         for start_m in range(tl.maximum(q_full, q_mid), q_len, BLOCK_M):
             dk, dv, lse2, delta = _attn_bwd_dkdv_step(
-                dk, dv, lse2, delta, k, v, ks, vs, kscale, pos_k, start_m,
-                Qh, DOh, LSEh, DELTAh, q_len, shift, H, sm_scale_log2, D=D, BLOCK_M=BLOCK_M,
-                BLOCK_TOKENS=BLOCK_TOKENS, CAUSAL=CAUSAL, MASKED=True, PAIR_SAFEGUARD=False,
-                K_SCALED=K_SCALED)
+                dk, dv, lse2, delta, k, v, ks, vs, kscale, pos_k, start_m, Qh, DOh, LSEh, DELTAh,
+                q_len, shift, H, sm_scale_log2, D, BLOCK_M, BLOCK_TOKENS, CAUSAL, K_SCALED,
+                MASKED=True, PAIR_SAFEGUARD=False)
     tl.store(DK + ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=kmask[:, None])
     tl.store(DV + ptrs, dv.to(DV.dtype.element_ty), mask=kmask[:, None])
 
@@ -1809,8 +1797,8 @@ def _attn_bwd_dkdv(
 @triton.jit
 def _attn_bwd_dq_step(dq, q, do, lse2, delta, pos_q, start_n, K, V, KS, VS, K_SCALE, k_len, HK,
                       sm_scale_log2, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                      PAIR_SAFEGUARD: tl.constexpr, K_SCALED: tl.constexpr):
+                      BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, K_SCALED: tl.constexpr,
+                      MASKED: tl.constexpr, PAIR_SAFEGUARD: tl.constexpr):
     """One key tile at document-local offset start_n (pointers at the document start and head)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     kmask = offs_n < k_len
@@ -1864,15 +1852,14 @@ def _attn_bwd_dq(
     dq = tl.zeros((BLOCK_M, D), tl.float32)
     for start_n in range(0, n_full, BLOCK_N):
         dq = _attn_bwd_dq_step(dq, q, do, lse2, delta, pos_q, start_n, K, V, KS, VS, K_SCALE, k_len,
-                               HK, sm_scale_log2, D=D, BLOCK_N=BLOCK_N, BLOCK_TOKENS=BLOCK_TOKENS,
-                               CAUSAL=CAUSAL, MASKED=False, PAIR_SAFEGUARD=False, K_SCALED=K_SCALED)
+                               HK, sm_scale_log2, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, K_SCALED,
+                               MASKED=False, PAIR_SAFEGUARD=False)
     if SAFEGUARD == "tile":  # the masked key tiles all lie in this query tile's block
         K, V = KS, VS
     for start_n in range(n_full, n_end, BLOCK_N):
         dq = _attn_bwd_dq_step(dq, q, do, lse2, delta, pos_q, start_n, K, V, KS, VS, K_SCALE, k_len,
-                               HK, sm_scale_log2, D=D, BLOCK_N=BLOCK_N, BLOCK_TOKENS=BLOCK_TOKENS,
-                               CAUSAL=CAUSAL, MASKED=True, PAIR_SAFEGUARD=SAFEGUARD == "pair",
-                               K_SCALED=K_SCALED)
+                               HK, sm_scale_log2, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, K_SCALED,
+                               MASKED=True, PAIR_SAFEGUARD=SAFEGUARD == "pair")
     tl.store(DQ + ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=qmask[:, None])
 
 
@@ -1883,24 +1870,24 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
     Tk, HK = k.shape[:2]
     r = var.recipe
     do = do.contiguous()
-    delta = _delta(o, do)  # (H, Tq): rowsum(P * dP) = dO . O
+    delta = torch.empty(H, Tq, dtype=torch.float32, device=o.device)  # rowsum(P * dP) = dO . O
+    if Tq > 0:
+        _delta_kernel[(triton.cdiv(Tq, 64), H)](o, do, delta, Tq, H, D=D, BLOCK_T=64)
     k_scale = delta  # unused unless K_SCALED
     if r.quantized:  # bf16 kernels on the exactly dequantized operands (see the section comment)
-        deq = lambda data, exp, side, data_t=None: _dequantize(MXFP8(data, exp, data_t), q.dtype,
-                                                               plan, side)
-        q, v = deq(ops.q, ops.q_exp, "q"), deq(None, ops.v_exp, "k", ops.v_t)
+        deq = lambda side, *mxfp8: _dequantize(MXFP8(*mxfp8), q.dtype, plan, side)
+        q, v = deq("q", ops.q, ops.q_exp), deq("k", None, ops.v_exp, ops.v_t)
         if r.k_fp4:
             k, k_scale = _decode_fp4(ops, q.dtype), ops.k_exp
         else:
-            k = deq(ops.k, ops.k_exp, "k")
-        ks = deq(ops.k_tok, ops.k_tok_exp, "k") if var.copies and not r.k_fp4 else k
-        vs = deq(None, ops.v_tok_exp, "k", ops.v_tok_t) if var.copies else v
+            k = deq("k", ops.k, ops.k_exp)
+        ks = deq("k", ops.k_tok, ops.k_tok_exp) if var.copies and not r.k_fp4 else k
+        vs = deq("k", None, ops.v_tok_exp, ops.v_tok_t) if var.copies else v
     else:
         q, k, v = (x.contiguous() for x in (q, k, v))
         ks, vs = k, v
     init = torch.zeros if plan.keys_without_rows else torch.empty
-    dk, dv = init(Tk, HK, D, dtype=q.dtype, device=q.device), init(Tk, HK, D, dtype=q.dtype,
-                                                                   device=q.device)
+    dk, dv = (init(Tk, HK, D, dtype=q.dtype, device=q.device) for _ in "kv")
     if var.bwd == "gluon":  # flamia_hopper.py's backward: the same function, dQ by fp32 atomics
         tiles = plan.tiles(flamia_hopper.BWD_BLOCK_N, "k", causal)
         dq = flamia_hopper.attn_bwd(q, k, v, ks, vs, do, lse, delta, dk, dv, tiles,
@@ -1969,13 +1956,12 @@ def _operand_layout(recipe: Recipe, copies: bool, Tq, Tk, H, HK, D, q_pad, k_pad
     return Operands(((Tq, H, D), f8), ((H, q_pad), u8), *k, *k_tok, *v, *v_tok)
 
 
-def _empty_operands(layout: Operands, like: torch.Tensor) -> Operands:
-    return Operands(*(like.new_empty(shape, dtype=dtype) for shape, dtype in layout))
-
-
 def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, copies: bool):
     """The forward's Operands: ONE fused quantizer launch for Q, K and V (self-attention; two
-    when the query documents differ from the key documents or K is FP4)."""
+    when the query documents differ from the key documents or K is FP4); bf16: all unused."""
+    unused = lambda: q.new_empty(0, dtype=torch.float32)
+    if not recipe.quantized:
+        return Operands(*(unused() for _ in Operands._fields))
     # Q per token: a scale shared along its rows would leak. V only token-transposed: the K-major
     # operand of P V (the backward dequantizes this copy).
     queries = q if plan.same_documents else None  # one tile table for Q and K: Q joins the launch
@@ -1995,7 +1981,7 @@ def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, c
         q8 = quantize_mxfp8(q, plan, 1, "q")
     v_tok = (v8.tok.data_t, v8.tok.exp) if copies else (None, None)
     parts = (q8.data, q8.exp, *k_parts, *k_tok, v8.data_t, v8.exp, *v_tok)
-    return Operands(*(p if p is not None else q.new_empty(0, dtype=torch.float32) for p in parts))
+    return Operands(*(p if p is not None else unused() for p in parts))
 
 
 _DENSE_PLANS = {}  # (B, Sq, Sk, device) -> Plan of flamia_attn_func's equal-length documents
@@ -2047,13 +2033,7 @@ def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: t
         _check_finite(q, k, v)
     if var.refusal:
         raise ValueError(var.refusal)
-    r = var.recipe
-    if r.quantized:
-        ops = _quantize_operands(q, k, v, plan, r, block_tokens, var.copies)
-    else:
-        ops = _empty_operands(_operand_layout(r, var.copies, q.shape[0], k.shape[0], q.shape[1],
-                                              k.shape[1], q.shape[2], plan.padded_q,
-                                              plan.padded_k), q)
+    ops = _quantize_operands(q, k, v, plan, var.recipe, block_tokens, var.copies)
     o, lse = _attn_forward(q, k, v, ops, plan, var, causal=causal, softmax_scale=softmax_scale,
                            block_tokens=block_tokens)
     return [o, lse, *ops]
@@ -2072,7 +2052,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale, recipe,
     layout = _operand_layout(r, _token_copies(r, causal, safeguard, block_tokens), Tq, Tk, H, HK, D,
                              padded_tokens(Tq, n_docs), padded_tokens(Tk, n_docs))
     return [torch.empty_like(q), q.new_empty(H, Tq, dtype=torch.float32),
-            *_empty_operands(layout, q)]
+            *(q.new_empty(shape, dtype=dtype) for shape, dtype in layout)]
 
 
 def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -2091,8 +2071,7 @@ _bwd_op = torch.library.custom_op("flamia::bwd", _bwd_impl, mutates_args=(),
 
 
 @_bwd_op.register_fake
-def _(do, q, k, v, o, lse, ops, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale, recipe,
-      block_tokens, safeguard, backend, deterministic):
+def _(do, q, k, v, *_):
     return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
 
 
@@ -2134,7 +2113,8 @@ def kernels_available(device) -> bool:
     return torch.device(device).type == "cuda" or interpreting
 
 
-def _check_qkv(q, k, v, dims: int) -> None:
+def _check_call(q, k, v, dims: int, recipe, block_tokens, backend) -> None:
+    """A public call's q, k, v and options, checked before the kernels or the oracle run."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(x, name, dims)
         if x.dtype not in (torch.bfloat16, torch.float16):
@@ -2151,6 +2131,7 @@ def _check_qkv(q, k, v, dims: int) -> None:
     if q.shape[-2] % k.shape[-2] != 0:
         raise ValueError(f"the number of q heads ({q.shape[-2]}) must be a multiple of the number "
                          f"of k/v heads ({k.shape[-2]}) (GQA/MQA)")
+    _check_options(recipe, block_tokens, backend)
 
 
 def _check_options(recipe, block_tokens, backend) -> None:
@@ -2188,49 +2169,37 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
                             block_tokens=DEFAULT_BLOCK_TOKENS, safeguard=True, rotate_qk=False,
                             backend=None, plan=None, return_lse=False, check_finite=False,
                             deterministic=False):
-    """FLAMIA attention on packed documents (flash-attn's varlen signature).
+    """FLAMIA attention on packed documents: flash-attn's varlen signature and layouts. README.md's
+    API table gives each option, and why its default.
 
     q: (total_q, H, D); k, v: (total_k, Hk, D) with H % Hk == 0 (GQA/MQA); bf16 or fp16; D 64/128.
     cu_seqlens_q / cu_seqlens_k: int32 (n_docs + 1,) document offsets; max_seqlen_*: upper bounds
-    of the document lengths (as in flash-attn). causal: per-document mask, bottom-right aligned.
-    recipe: "mxfp8" (FLAMIA), "bf16" (the same kernels without quantization), "nvfp4" or "mxfp4"
-        (K in FP4; Q, V in MXFP8).
-    block_tokens: tokens per K/V scale block (1, 32, 64, 128); Q is always scaled per token.
-    safeguard: False disables the causal safeguard (LEAKS the future; for tests and demos only).
-    rotate_qk: multiply Q and K by a +-1 Hadamard matrix with random signs before quantizing
-        (same S, less quantization error when head-dim channels have outliers).
-    backend: "wgmma" (fp8 tl.dot, scales outside the MMA), "dot_scaled" (E8M0 scales inside the
-        MMA) or "gluon" (flamia_hopper.py's Hopper kernels); default: chosen per call (variant()).
-    deterministic: the backward's tl kernels, bitwise reproducible (Gluon's backward, the default at
-        head_dim 64 on Hopper, adds dQ with fp32 atomics: last-bit differences from run to run).
-    plan: flamia_plan(cu_seqlens_q, cu_seqlens_k), built once per batch and shared by all layers;
-        without it each call finds or builds one (a host sync when it builds). With a plan, the
-        cu_seqlens may be None (the plan's own); others than the plan's are refused (ValueError).
-    check_finite: raise ValueError on inf/NaN inputs (one host sync per call).
-    Returns out (total_q, H, D) [and lse (H, total_q), natural log, not differentiable].
+    of the document lengths. causal: per-document mask, bottom-right aligned. recipe: "mxfp8",
+    "bf16" (the same kernels without quantization), "nvfp4" / "mxfp4" (K in FP4). block_tokens: per
+    K/V scale block (1, 32, 64, 128). safeguard=False LEAKS the future (tests and demos only).
+    backend: "wgmma", "dot_scaled", "gluon", or None: chosen per call (variant()). plan:
+    flamia_plan(...), built once per batch for all layers (without it each call finds or builds one:
+    a host sync when it builds); with it the cu_seqlens may be None, and others than its own are
+    refused. Returns out (total_q, H, D) [and lse (H, total_q), natural log, not differentiable].
     """
-    _check_qkv(q, k, v, 3)
-    _check_options(recipe, block_tokens, backend)
+    _check_call(q, k, v, 3, recipe, block_tokens, backend)
+    if plan is not None and not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a flamia.Plan (from flamia_plan), got {type(plan).__name__}")
+    if plan is not None and plan.device != q.device:
+        raise ValueError(f"the plan is on {plan.device} but q is on {q.device}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu is None and plan is not None:  # the plan's own
+            continue
+        _check_cu_seqlens(cu, name)
+        if plan is not None:  # compiling: its host read of cu must stay out of the traced graph
+            check = plan.check_offsets
+            (torch.compiler.disable(check) if torch.compiler.is_compiling() else check)(cu, name)
+        elif cu.device != q.device:
+            raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
     if plan is not None:
-        if not isinstance(plan, Plan):
-            raise TypeError(f"plan must be a flamia.Plan (from flamia_plan), got "
-                            f"{type(plan).__name__}")
-        if plan.device != q.device:
-            raise ValueError(f"the plan is on {plan.device} but q is on {q.device}")
-        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-            if cu is not None:  # None: the plan's own
-                _check_cu_seqlens(cu, name)
-                # compiling: the comparison may read cu to the host, which a traced graph cannot
-                check = plan.check_offsets
-                (torch.compiler.disable(check) if torch.compiler.is_compiling() else check)(cu, name)
         cu_seqlens_q, cu_seqlens_k = plan.cu_seqlens_q, plan.cu_seqlens_k
-    else:
-        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-            _check_cu_seqlens(cu, name)
-            if cu.device != q.device:
-                raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
-        if not torch.compiler.is_compiling():  # while tracing, the custom op checks and plans
-            plan = _plan_for(cu_seqlens_q, cu_seqlens_k, [0, 0, 0])
+    elif not torch.compiler.is_compiling():  # while tracing, the custom op checks and plans
+        plan = _plan_for(cu_seqlens_q, cu_seqlens_k, [0, 0, 0])
     if plan is not None:
         _check_plan(plan, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     o, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, [0, 0, 0], causal, softmax_scale,
@@ -2244,17 +2213,15 @@ def flamia_attn_func(q, k, v, *, causal=True, softmax_scale=None, recipe="mxfp8"
                      backend=None, return_lse=False, check_finite=False, deterministic=False):
     """FLAMIA attention on (batch, seqlen, heads, head_dim) tensors; see flamia_attn_varlen_func.
     Returns out (B, Sq, H, D) [and lse (B, H, Sq)]. No host sync (the Plan comes from shapes)."""
-    _check_qkv(q, k, v, 4)
-    _check_options(recipe, block_tokens, backend)
+    _check_call(q, k, v, 4, recipe, block_tokens, backend)
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and "
                          f"{k.shape[0]}")
     (B, Sq, H, D), Sk = q.shape, k.shape[1]
     cu = lambda s: torch.arange(0, (B + 1) * s, s, dtype=torch.int32, device=q.device)
-    o, lse = _attention(q.reshape(B * Sq, H, D), k.reshape(B * Sk, *k.shape[2:]),
-                        v.reshape(B * Sk, *v.shape[2:]), cu(Sq), cu(Sk), [B, Sq, Sk], causal,
-                        softmax_scale, recipe, block_tokens, safeguard, rotate_qk, backend,
-                        check_finite, deterministic)
+    o, lse = _attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu(Sq), cu(Sk),
+                        [B, Sq, Sk], causal, softmax_scale, recipe, block_tokens, safeguard,
+                        rotate_qk, backend, check_finite, deterministic)
     o, lse = o.view(B, Sq, H, D), lse.view(H, B, Sq).transpose(0, 1)
     return (o, lse) if return_lse else o
 
@@ -2275,9 +2242,8 @@ _HF_PLANS = {}  # id(a batch's cu_seq_lens_q or position_ids) -> (stamp, Plan), 
 
 
 def _hf_plan(batch_tensor: torch.Tensor, query: torch.Tensor, make_plan) -> Plan:
-    """The Plan of the batch that `batch_tensor` belongs to: made by make_plan() on a forward's
-    first layer, found by the others (keyed by the tensor object; rebuilt if it was changed in
-    place or now serves another batch shape or device)."""
+    """The Plan of `batch_tensor`'s batch, keyed by the tensor object: make_plan() builds it, again
+    if the tensor was changed in place or now serves another batch shape or device."""
     key = id(batch_tensor)
     stamp = (batch_tensor._version, query.shape[0], query.shape[2], query.device)
     hit = _HF_PLANS.get(key)
@@ -2308,9 +2274,8 @@ def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BL
         AttentionMaskInterface.register("flamia", transformers.masking_utils.flash_attention_mask)
     The second line matters: without a mask function for the name, transformers DROPS a padding
     mask before any custom attention sees it; with flash_attention_mask it arrives and is refused.
-    Refused with a ValueError (never silently wrong): a padding or 4-D attention_mask, dropout > 0,
-    sliding windows, logit softcapping, query length != key length (a KV cache). Non-causal modules
-    get per-document full attention; GQA is native; scaling is the softmax scale."""
+    What it does not compute is refused (ValueError naming the argument), never computed wrong.
+    Non-causal modules: full attention per document; GQA is native; scaling is the softmax scale."""
     _check_options(recipe, block_tokens, options.get("backend"))
 
     def flamia_hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -2356,9 +2321,8 @@ def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BL
             plan = _hf_plan(pos, query, lambda: flamia_plan(_documents_of(pos, B, Sq),
                                                             device=query.device))
         # max_length_q/k are only bounds: the Plan knows the exact longest documents
-        o = flamia_attn_varlen_func(q.reshape(B * Sq, H, D), k.reshape(B * Sk, -1, D),
-                                    v.reshape(B * Sk, -1, D), plan.cu_seqlens_q, plan.cu_seqlens_k,
-                                    None, None, plan=plan, **kw)
+        o = flamia_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                                    plan.cu_seqlens_q, plan.cu_seqlens_k, None, None, plan=plan, **kw)
         return o.view(B, Sq, H, D), None
 
     return flamia_hf_attention
@@ -2403,22 +2367,19 @@ def audit_causality(attn_fn, *, heads=2, kv_heads=None, head_dim=64, doc_lens=AU
     d_out = torch.randn(T, heads, head_dim, generator=torch.Generator().manual_seed(seed + 1))
     d_out = d_out.to(dtype).to(device)
 
-    def run(x):  # (rows that must not see the future, rows that must not see other documents)
+    def run(x):  # a row per token: O [, LSE] [, dQ, dK, dV]
         if gradients:
             x = {n: t.clone().requires_grad_() for n, t in x.items()}
         out = attn_fn(x["q"], x["k"], x["v"], cu, cu, max_len, max_len)
         o, lse = out if isinstance(out, tuple) else (out, None)
-        rows = [o.reshape(T, -1).float()]  # (T, H*D) per token
-        if lse is not None:  # flash-attn layout (H, T)
-            rows.append(lse.reshape(-1, T).t().float())
-        if not gradients:
-            return torch.cat(rows, 1), torch.cat(rows, 1)
-        o.backward(d_out)
-        rows = [r.detach() for r in rows] + [x["q"].grad.reshape(T, -1).float()]
-        keys = [x[n].grad.reshape(T, -1).float() for n in "kv"]
-        return torch.cat(rows, 1), torch.cat(rows + keys, 1)
+        rows = [o] if lse is None else [o, lse.reshape(-1, T).t()]  # LSE: flash-attn layout (H, T)
+        if gradients:
+            o.backward(d_out)
+            rows += [x[n].grad for n in "qkv"]
+        return torch.cat([r.detach().reshape(T, -1).float() for r in rows], 1)
 
-    ref, ref_all = run(base)
+    ref = run(base)
+    own = ref.shape[1] - (2 * kv_heads * head_dim if gradients else 0)  # all but dK, dV (docstring)
     doc_of = torch.searchsorted(torch.tensor(offsets), torch.arange(T), right=True) - 1
     if positions is None:  # per document: the middle and end of the first block, a late token
         positions = {d: sorted({p for p in (L // 2, min(L - 1, 20), L - 1) if 0 < p < L})
@@ -2432,13 +2393,12 @@ def audit_causality(attn_fn, *, heads=2, kv_heads=None, head_dim=64, doc_lens=AU
                 x[name] = base[name].clone()
                 sign = torch.sign(torch.randn(x[name][t].shape, generator=gen))
                 x[name][t] = (outlier * sign).to(dtype).to(device)
-                out, out_all = run(x)
-                changed = (out != ref).any(dim=1).cpu()  # bitwise, per token row
-                changed_all = (out_all != ref_all).any(dim=1).cpu()
-                diff = (out_all - ref_all).abs().amax(dim=1).cpu()
-                earlier = (doc_of == d) & (torch.arange(T) < t)
-                other_docs = (doc_of != d) & changed_all
-                for kind, rows in (("future", earlier & changed), ("document", other_docs)):
+                out = run(x)
+                changed = (out != ref).cpu()  # bitwise
+                diff = (out - ref).abs().amax(dim=1).cpu()
+                earlier = (doc_of == d) & (torch.arange(T) < t) & changed[:, :own].any(dim=1)
+                other_docs = (doc_of != d) & changed.any(dim=1)
+                for kind, rows in (("future", earlier), ("document", other_docs)):
                     if rows.any():
                         change = diff[rows].nan_to_num(float("inf")).max()
                         findings.append(dict(doc=d, position=p, tensor=name, kind=kind,
@@ -2483,15 +2443,12 @@ INTERPRETED = not isinstance(_attn_fwd, triton.runtime.JITFunction)
 INTERPRETER_MIN_TRITON = (3, 8)
 
 
-def _check_interpreter_version() -> None:
+def _fix_interpreter_numerics():
     if tuple(int(p) for p in triton.__version__.split(".")[:2]) < INTERPRETER_MIN_TRITON:
         need = ".".join(map(str, INTERPRETER_MIN_TRITON))
         raise RuntimeError(f"FLAMIA's kernels in Triton's CPU interpreter (TRITON_INTERPRET=1) need "
                            f"triton >= {need}, found {triton.__version__}: pip install 'triton>={need}', "
                            f"or unset TRITON_INTERPRET (without a GPU FLAMIA then runs its PyTorch oracle)")
-
-
-def _fix_interpreter_numerics():
     import numpy as np
     from triton._C.libtriton import ir
     from triton.runtime import interpreter as interp
@@ -2524,10 +2481,8 @@ def _fix_interpreter_numerics():
         return out.view(f"uint{n_out}")  # the original's contract: raw bits
 
     def create_dot(self, a, b, d, *args):  # bug (1): upcast bf16 to fp32 (exact) first
-        if a.dtype.scalar == tl.bfloat16:
-            a = orig_cast(self, a, tl.float32)
-        if b.dtype.scalar == tl.bfloat16:
-            b = orig_cast(self, b, tl.float32)
+        a, b = (orig_cast(self, x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x
+                for x in (a, b))
         return orig_dot(self, a, b, d, *args)
 
     def cast_impl(self, src, dst_type):  # bug (3): go through fp32 and the fixed rounding
@@ -2540,5 +2495,4 @@ def _fix_interpreter_numerics():
 
 
 if INTERPRETED:
-    _check_interpreter_version()
     _fix_interpreter_numerics()
