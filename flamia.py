@@ -2173,14 +2173,17 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
     API table gives each option, and why its default.
 
     q: (total_q, H, D); k, v: (total_k, Hk, D) with H % Hk == 0 (GQA/MQA); bf16 or fp16; D 64/128.
-    cu_seqlens_q / cu_seqlens_k: int32 (n_docs + 1,) document offsets; max_seqlen_*: upper bounds
-    of the document lengths. causal: per-document mask, bottom-right aligned. recipe: "mxfp8",
-    "bf16" (the same kernels without quantization), "nvfp4" / "mxfp4" (K in FP4). block_tokens: per
-    K/V scale block (1, 32, 64, 128). safeguard=False LEAKS the future (tests and demos only).
-    backend: "wgmma", "dot_scaled", "gluon", or None: chosen per call (variant()). plan:
-    flamia_plan(...), built once per batch for all layers (without it each call finds or builds one:
-    a host sync when it builds); with it the cu_seqlens may be None, and others than its own are
-    refused. Returns out (total_q, H, D) [and lse (H, total_q), natural log, not differentiable].
+    cu_seqlens_q / cu_seqlens_k: int32 (n_docs + 1,) document offsets; max_seqlen_*: upper bounds of
+    the document lengths. causal: per-document mask, bottom-right aligned. recipe: "mxfp8", "bf16"
+    (the same kernels without quantization), "nvfp4" / "mxfp4" (K in FP4). block_tokens: per K/V
+    scale block (1, 32, 64, 128). safeguard=False LEAKS the future (tests and demos only).
+    rotate_qk: Hadamard-rotate Q and K before quantizing (same logits). deterministic: the tl
+    backward, bitwise reproducible (the Gluon one adds dQ with atomics). check_finite: raise on
+    inf/NaN inputs (one host sync). backend: "wgmma", "dot_scaled", "gluon", or None: chosen per
+    call (variant()). plan: flamia_plan(...), built once per batch for all layers (without it each
+    call finds or builds one: a host sync when it builds); with it the cu_seqlens may be None, and
+    others than its own are refused. Returns out (total_q, H, D) [and lse (H, total_q), natural log,
+    not differentiable].
     """
     _check_call(q, k, v, 3, recipe, block_tokens, backend)
     if plan is not None and not isinstance(plan, Plan):
