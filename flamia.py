@@ -964,11 +964,10 @@ class Variant(NamedTuple):  # what computes one call
 
 def _tile_safeguard(plan: Plan, block_tokens: int, *blocks: int) -> bool:
     """Whether kernels with these tile sizes can take the causal safeguard per tile instead of per
-    pair. Tiles are aligned to the document start; when B_t is a multiple of every tile size and
-    every causal shift is a multiple of B_t (always in self-attention), each query tile and each key
-    tile lies inside one key block. A tile pair then either shares its block -- every visible pair
-    straddles, and the whole tile uses the per-token copies -- or lies in an earlier block, safe
-    with the block scales. This is what makes B_t=128 cheap: one MMA per masked tile."""
+    pair: when B_t is a multiple of every tile size and divides every causal shift (always so in
+    self-attention), each start-aligned query or key tile lies inside one key block, and a tile pair
+    either shares its block (every visible pair straddles: the whole tile uses the per-token copies)
+    or lies in an earlier one (safe). This is what makes B_t=128 cheap: one MMA per masked tile."""
     return block_tokens % max(blocks) == 0 and plan.shift_gcd % block_tokens == 0
 
 
@@ -1012,14 +1011,10 @@ def _backend_refusal(r: Recipe, backend: Optional[str]) -> Optional[str]:
 def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool = True,
             safeguard: bool = True, backend: Optional[str] = None,
             deterministic: bool = False) -> Variant:
-    """The Variant of a call on q-like x (its GPU, dtype, head dim). backend=None: on Blackwell
-    dot_scaled for the MX recipes (nvfp4's E4M3 block scales are no tl.dot_scaled input); on Hopper
-    Gluon for mxfp8 with block_tokens a multiple of 128 at head_dim 128 (fastest there on the H200)
-    if it can compute the call, else the tl forward, saying why once; wgmma otherwise. The backward:
-    Gluon's (64-query x 128-key tiles, dQ by atomics) with backend="gluon", and by default at head_dim
-    64 on Hopper (faster there than the tl kernels; at 128 it spills registers and is slower), when
-    it can compute the call; the tl kernels otherwise and with deterministic=True. Without a plan
-    the safeguard modes, and the refusals that depend on them, are not known (None)."""
+    """The Variant of a call on q-like x (its GPU, dtype, head dim). backend=None: the defaults of
+    README's `backend` row, each measured fastest where it is taken (the Gluon backward spills
+    registers at head_dim 128: slower there); the tl backward with deterministic=True. Without a
+    plan the safeguard modes, and the refusals that depend on them, are not known (None)."""
     r, D = _RECIPES[recipe], x.shape[-1]
     row = TILES.get(D)
     if row is None:
@@ -1088,12 +1083,10 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
 # ref_i is a per-row statistic over *visible* keys only (a max over the whole tile would leak the
 # future on the diagonal).
 #
-# The causal safeguard, on masked (diagonal) tiles only: for a pair (i, j) whose key block holds
-# the position of i, the block scale of k_j, v_j depends on keys after i, so those pairs use the
-# per-token copies KS, VS ("pair": a second small MMA on the diagonal tiles). Blocks of earlier
-# keys end before i's block starts and are safe. When B_t is a multiple of every tile size the
-# choice is the same for a whole tile ("tile", see _tile_safeguard): the masked tiles read KS, VS
-# instead of K, V -- one MMA, as at B_t = 1. Q is scaled per token: nothing leaks along rows.
+# The causal safeguard (section 2's rules), on masked (diagonal) tiles only: straddling pairs use
+# the per-token copies KS, VS ("pair": a second small MMA on the diagonal tiles), or, where
+# _tile_safeguard holds, the masked tiles read KS, VS instead of K, V ("tile": one MMA, as at
+# B_t = 1). Q is scaled per token: nothing leaks along rows.
 #
 # K comes in four formats (K_FORMAT): "bf16" (recipe bf16), "e4m3" (MXFP8), "fp4_decoded" (FP4
 # values times their block scales, decoded to bf16 on the host -- exact, 6 significant bits -- with
@@ -1101,8 +1094,7 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
 # "fp4_packed" (E2M1 + E8M0 for tl.dot_scaled, the Blackwell kernel's).
 @triton.jit
 def _e8m0_blocks(e, D: tl.constexpr):
-    """tl.dot_scaled's scale operand for per-row scales: the E8M0 byte for each 32 head-dim
-    elements of each row, (rows, D // 32) uint8."""
+    """tl.dot_scaled's scale operand for per-row E8M0 scales: (rows, D // 32) uint8."""
     return tl.broadcast_to(e.to(tl.uint8)[:, None], (e.shape[0], D // 32))
 
 
@@ -1540,21 +1532,31 @@ def _descriptor_scratch(size: int, alignment: int, stream):
 
 
 def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_scale, block_tokens):
-    """Launch the forward on the quantized operands `ops` (section 6's Operands; unused for bf16).
-    Returns (o, lse)."""
+    """Launch the forward (tl or Gluon) on the quantized operands `ops` (section 6's Operands;
+    unused for bf16). Returns (o, lse)."""
     Tq, H, D = q.shape
     Tk, HK = k.shape[:2]
     empty_rows = plan.rows_without_keys[causal]
     o = (torch.zeros if empty_rows else torch.empty)(Tq, H, D, dtype=q.dtype, device=q.device)
     lse = (torch.full((H, Tq), float("-inf"), device=q.device) if empty_rows
            else torch.empty(H, Tq, device=q.device))
+    tiles = plan.tiles(var.fwd[0], "q", causal)
+    if not var.recipe.quantized:
+        q, k, v = (x.contiguous() for x in (q, k, v))
     if var.backend == "gluon":
-        return _attn_forward_gluon(q, k, v, ops, plan, o, lse, var, causal=causal,
-                                   softmax_scale=softmax_scale, block_tokens=block_tokens)
+        kw = dict(softmax_scale=softmax_scale, causal=causal, recipe=var.recipe.name,
+                  block_tokens=block_tokens)
+        if not var.recipe.quantized:
+            return flamia_hopper.attn_fwd(q, None, k, None, v, None, o, lse, tiles, **kw)
+        per_token = ((ops.k_tok, ops.k_tok_exp, ops.v_tok_t, ops.v_tok_exp) if var.modes[0] == "tile"
+                     else None)
+        # v_len: the token-transposed V ends at the last document's padding; the tail of the buffer
+        # is never written, so the kernel's TMA boxes must read zeros (out of bounds) there.
+        return flamia_hopper.attn_fwd(ops.q, ops.q_exp, ops.k, ops.k_exp, ops.v_t, ops.v_exp, o, lse,
+                                      tiles, per_token=per_token, v_len=plan.pad_k[-1], **kw)
     BLOCK_M, BLOCK_N, MASKED_N, warps, stages = var.fwd
     if not var.recipe.quantized:
         strides_v = (D, 1, HK * D)  # (T, H, D)
-        q, k, v = (x.contiguous() for x in (q, k, v))
         unused = torch.empty(0, device=q.device)
         operands = (q, unused, k, unused, unused, v, unused, k, unused, v, unused)
     else:
@@ -1566,7 +1568,6 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
         operands = (ops.q, ops.q_exp, k_data, ops.k_block, ops.k_exp, ops.v_t, ops.v_exp,
                     *k_tok, *v_tok)
         strides_v = (D * plan.padded_k, plan.padded_k, 1)  # (H, D, T_pad) token-transposed
-    tiles = plan.tiles(BLOCK_M, "q", causal)
     if var.tma and q.is_cuda:  # the kernel writes its TMA descriptors to global scratch
         triton.set_allocator(_descriptor_scratch)
     if tiles.shape[0] > 0:
@@ -1577,21 +1578,6 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
             SAFEGUARD=var.modes[0], num_warps=warps, num_stages=stages,
             **(dict(TMA=var.tma) if var.kernel is _attn_fwd_blackwell else {}))
     return o, lse
-
-
-def _attn_forward_gluon(q, k, v, ops, plan, o, lse, var, *, causal, softmax_scale, block_tokens):
-    tiles = plan.tiles(var.fwd[0], "q", causal)
-    kw = dict(softmax_scale=softmax_scale, causal=causal, recipe=var.recipe.name,
-              block_tokens=block_tokens)
-    if not var.recipe.quantized:
-        q, k, v = (x.contiguous() for x in (q, k, v))
-        return flamia_hopper.attn_fwd(q, None, k, None, v, None, o, lse, tiles, **kw)
-    per_token = ((ops.k_tok, ops.k_tok_exp, ops.v_tok_t, ops.v_tok_exp) if var.modes[0] == "tile"
-                 else None)
-    # v_len: the token-transposed V ends at the last document's padding; the tail of the buffer is
-    # never written, so the kernel's TMA boxes must read zeros (out of bounds) there, not garbage.
-    return flamia_hopper.attn_fwd(ops.q, ops.q_exp, ops.k, ops.k_exp, ops.v_t, ops.v_exp, o, lse,
-                                  tiles, per_token=per_token, v_len=plan.pad_k[-1], **kw)
 
 
 # ---------------------------------------------------------------------------------------------
