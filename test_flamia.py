@@ -2557,8 +2557,8 @@ def test_eval_attn_scores_the_same_weights_with_other_attentions(tmp_path, cpu_t
     listed attention. The run's own attention reproduces its final val loss exactly (the same function);
     another recipe or rounding gives another loss; misuse is refused."""
     items = "bf16,mxfp8,bf16:qk,bf16:v"
-    hist = tlm.main(TINY + ["--max_steps", "6", "--eval_interval", "6", "--attn", "mxfp8", "--eval_attn", items,
-                            "--out_dir", str(tmp_path)])
+    hist = tlm.main(TINY + ["--max_steps", "6", "--eval_interval", "6", "--attn", "mxfp8", "--eval_attn",
+                            items + ",", "--out_dir", str(tmp_path)])  # a trailing comma names nothing
     got = hist["eval_attn"]
     assert list(got) == items.split(","), got
     assert got["mxfp8"] == hist["final_val"], (got, hist["final_val"])

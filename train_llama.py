@@ -688,7 +688,7 @@ def train(cfg: Config) -> dict:
     hist["final_val"] = val
     if cfg.eval_attn:  # the same weights and val batches, another attention: its cost free of training noise
         hist["eval_attn"] = {}
-        for item in cfg.eval_attn.split(","):
+        for item in filter(None, cfg.eval_attn.split(",")):  # as validate() reads the list
             attn, _, letters = item.partition(":")
             for blk in raw.blocks:
                 blk.cfg = replace(cfg, attn=attn, round_only=letters)
