@@ -697,7 +697,8 @@ class BwdSmem:
       kv_ready     (1, expect-tx: TMA) K, V (and KS, VS) of the key tile -> both consumers, once
       q_ready[S]   (1, expect-tx: TMA) Q and dO of ring position c       -> both consumers
       st_ready[S]  (1) loader, LSE (log2) and Delta staged               -> both consumers
-      q_free[S]    (2) each consumer WG after its last MMA on the slot   -> loader"""
+      q_free[S]    (2) each consumer WG after its last MMA on the slot   -> loader
+      ds_ready[2]  (2) each consumer WG, its dS^T rows stored in ds_s[c%2] -> both consumers' dQ"""
     k_s: gl.shared_memory_descriptor
     v_s: gl.shared_memory_descriptor
     ks_s: gl.shared_memory_descriptor
@@ -711,10 +712,11 @@ class BwdSmem:
     q_ready: gl.shared_memory_descriptor
     st_ready: gl.shared_memory_descriptor
     q_free: gl.shared_memory_descriptor
+    ds_ready: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
     def __init__(self, k_s, v_s, ks_s, vs_s, q_s, do_s, lse_s, dl_s, ds_s, kv_ready, q_ready,
-                 st_ready, q_free):
+                 st_ready, q_free, ds_ready):
         self.k_s = k_s
         self.v_s = v_s
         self.ks_s = ks_s
@@ -728,6 +730,7 @@ class BwdSmem:
         self.q_ready = q_ready
         self.st_ready = st_ready
         self.q_free = q_free
+        self.ds_ready = ds_ready
 
 @gluon.jit
 def _key_tile(TILES, BLOCK_M: gl.constexpr, BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr,
@@ -836,25 +839,32 @@ def _bwd_step(c, sm, dk, dv, pos_k, kd_len, start_m, shift, DQh, q_len, H, sm_sc
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), a_layout), do, dv, is_async=True)
     dk_tok = warpgroup_mma(gl.convert_layout(ds, a_layout), q, dk, is_async=True)
-    # dQ = dS K over this warpgroup's keys: dS^T goes through shared memory to be read transposed
-    ds_s = sm.ds_s.index(WG)
-    ds_s.store(ds)
+    # dQ = dS K, split like FA4's: both warpgroups put their dS^T (64 keys each) into one shared
+    # buffer, then each computes half of dQ's columns over all 128 keys: a [64, D/2] accumulator
+    # (a [64, D] one beside dK and dV spills at D=128) and every dQ element added once.
+    # buffers (c % 2, warpgroup): a warpgroup one step ahead writes the other parity
+    sm.ds_s.index((c % 2) * 2 + WG).store(ds)
     fence_async_shared()
-    # retire dV and dK first: their A operands (P, dS in registers) stay locked while in flight,
-    # and beside dQ's accumulator they would not fit in the 240 registers
+    gl.thread_barrier()  # the whole warpgroup's stores precede its arrival
+    _release(sm.ds_ready, c, 2)
     dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok,))
     dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok,))
     _release(sm.q_free, c, STAGES)
-    # dQ in two halves of the head dim: a [64, D] fp32 accumulator beside dK and dV spills at D=128
+    if COPIES:
+        k_all = sm.ks_s
+    else:
+        k_all = sm.k_s
     dq_layout: gl.constexpr = _mma_layout(dtype, D // 2)
+    _acquire_filled(sm.ds_ready, c, 2)  # both halves of dS^T are in ds_s
+    dq = gl.zeros([BLOCK_M, D // 2], gl.float32, dq_layout)
+    for w in gl.static_range(2):  # over the two warpgroups' 64 keys: one dS^T buffer each
+        dq = warpgroup_mma(sm.ds_s.index((c % 2) * 2 + w).permute((1, 0)),
+                           k_all.slice(w * 64, 64).slice(WG * (D // 2), D // 2, dim=1), dq,
+                           use_acc=w > 0)
     rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-    offs = (gl.expand_dims(rows * (H * D), 1)
+    offs = (gl.expand_dims(rows * (H * D), 1) + WG * (D // 2)
             + gl.expand_dims(gl.arange(0, D // 2, layout=gl.SliceLayout(0, dq_layout)), 0))
-    for half in gl.static_range(2):
-        dq = warpgroup_mma(ds_s.permute((1, 0)), k.slice(half * (D // 2), D // 2, dim=1),
-                           gl.zeros([BLOCK_M, D // 2], gl.float32, dq_layout), use_acc=False)
-        gl.atomic_add(DQh + half * (D // 2) + offs, dq, mask=gl.expand_dims(rows < q_len, 1),
-                      sem="relaxed")
+    gl.atomic_add(DQh + offs, dq, mask=gl.expand_dims(rows < q_len, 1), sem="relaxed")
     return dk, dv
 
 @gluon.jit
@@ -922,18 +932,21 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, LSE, DEL
     lse_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_l)
     dl_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_l)
     ds_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], gl.bfloat16)
-    ds_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, BLOCK_M], ds_l)
+    ds_s = gl.allocate_shared_memory(gl.bfloat16, [4, 64, BLOCK_M], ds_l)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     st_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready.index(0), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=2)  # both consumer warpgroups stored their dS^T
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(st_ready.index(i), count=1)
         mbarrier.init(q_free.index(i), count=2)  # both consumer warpgroups release a slot
     sm = BwdSmem(k_s, v_s, ks_s, vs_s, q_s, do_s, lse_s, dl_s, ds_s, kv_ready, q_ready, st_ready,
-                 q_free)
+                 q_free, ds_ready)
     gl.warp_specialize([
         (_bwd_consumer, (sm, DQ, DK, DV, TILES, sm_scale, T_K, H, HK, 0, D, BLOCK_M, BLOCK_N,
                          STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)),
