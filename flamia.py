@@ -1012,9 +1012,9 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
             safeguard: bool = True, backend: Optional[str] = None,
             deterministic: bool = False) -> Variant:
     """The Variant of a call on q-like x (its GPU, dtype, head dim). backend=None: the defaults of
-    README's `backend` row, each measured fastest where it is taken (the Gluon backward spills
-    registers at head_dim 128: slower there); the tl backward with deterministic=True. Without a
-    plan the safeguard modes, and the refusals that depend on them, are not known (None)."""
+    README's `backend` row, each measured fastest where it is taken; the tl backward with
+    deterministic=True. Without a plan the safeguard modes, and the refusals that depend on them,
+    are not known (None)."""
     r, D = _RECIPES[recipe], x.shape[-1]
     row = TILES.get(D)
     if row is None:
@@ -1054,7 +1054,7 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
     k_format = ("bf16" if not r.quantized else "e4m3" if not r.k_fp4 else
                 "fp4_packed" if backend == "dot_scaled" else "fp4_decoded")
     bwd = "tl"
-    if not deterministic and (backend == "gluon" or (backend_requested is None and D == 64)):
+    if not deterministic and (backend == "gluon" or backend_requested is None):
         gluon_dkdv = (64, flamia_hopper.BWD_BLOCK_N, None, None) if flamia_hopper else None
         if gluon_unavailable_reason() is None and plan is not None and flamia_hopper.unsupported_reason(
                 recipe, x.dtype, mode(gluon_dkdv[:2])) is None:

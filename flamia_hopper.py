@@ -682,12 +682,11 @@ def attn_fwd(q_data, q_exp, k_data, k_exp, v_data, v_exp, o, lse, tiles, *, soft
 #     S^T = K Q^T, dP^T = V dO^T          (async wgmma, both in flight)
 #     P^T = exp2(S^T * scale - lse);  dS^T = P^T (dP^T - Delta)
 #     dV += P^T dO;  dK += dS^T Q         (P^T, dS^T from registers)
-#     dQ_part = dS K_w  (dS^T through shared memory), added to an fp32 dQ with atomics.
+#     dQ[:, half w] = dS K[:, half w]  (both warpgroups' dS^T through shared memory: FA4's split),
+#                                      added to an fp32 dQ with atomics.
 # dK and dV stay in registers over all query tiles and heads; dQ's fp32 sum is converted by the
 # host. The atomics make dQ's last bits depend on the order of the adds: flamia's tl backward is the
-# deterministic one. At D=128, dK, dV, dQ's accumulator and the atomics' addresses exceed the
-# consumers' 240 registers (ptxas spills): slower than the tl backward there, so flamia takes this
-# one by default at D=64 only.
+# deterministic one.
 # Rows past the query document (the next document's, or TMA's zeros past the tensor) get LSE = +inf,
 # so P = 0 there without a mask; masks run only on the causal diagonal and on a key tile that ends
 # inside its box (its last rows are the next document's keys: P must be 0 there, or dQ takes them).

@@ -2117,10 +2117,10 @@ def test_gluon_backward_matches_oracle(recipe, bt, causal, heads, layout, D):
 
 
 @needs_gluon
-def test_gluon_backward_is_the_d64_default_and_deterministic_opts_out(monkeypatch):
-    """backend=None at head_dim 64 on the H200 runs the Gluon backward (once per backward; dK, dV
-    bitwise the tl kernels', dQ to fp32 rounding); deterministic=True runs the tl kernels: two runs
-    bitwise equal, dQ included. At head_dim 128 the default stays tl."""
+def test_gluon_backward_is_the_default_and_deterministic_opts_out(monkeypatch):
+    """backend=None on the H200 runs the Gluon backward at both head dims (once per backward; dK, dV
+    bitwise the tl kernels', dQ to fp32 rounding); deterministic=True, or backend="wgmma", runs the
+    tl kernels: two runs bitwise equal, dQ included."""
     lens = (700, 33, 1, 290)
     q, k, v = qkv(90, sum(lens), D=64, requires_grad=True)
     do = randn(torch.Generator().manual_seed(91), sum(lens), 4, 64)
@@ -2136,7 +2136,8 @@ def test_gluon_backward_is_the_d64_default_and_deterministic_opts_out(monkeypatc
         return [x.grad.clone() for x in (q, k, v)]
     var = lambda D, **kw: flamia.variant(torch.empty(1, 1, D, device="cuda", dtype=BF16), "mxfp8",
                                          1, flamia.Plan(cu_of(lens)), **kw).bwd
-    assert (var(64), var(128), var(64, deterministic=True)) == ("gluon", "tl", "tl")
+    assert (var(64), var(128), var(64, deterministic=True), var(128, deterministic=True),
+            var(128, backend="wgmma")) == ("gluon", "gluon", "tl", "tl", "tl")
     default = grads()
     assert len(calls) == 1
     first, second = grads(deterministic=True), grads(deterministic=True)
