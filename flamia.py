@@ -1882,19 +1882,15 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
         return dq, dk, dv
     init = torch.zeros if plan.rows_without_keys[causal] else torch.empty
     dq = init(Tq, H, D, dtype=q.dtype, device=q.device)
-    (BM1, BN1, w1, s1), (BM2, BN2, w2, s2), (_, mode_dkdv, mode_dq) = var.dkdv, var.dq, var.modes
-    operands = (q, k, v, ks, vs, k_scale, do, lse, delta)
-    meta = dict(D=D, BLOCK_TOKENS=block_tokens, CAUSAL=causal, K_SCALED=r.k_fp4)
-    tiles = plan.tiles(BN1, "k", causal)
-    if tiles.shape[0] > 0:
-        _attn_bwd_dkdv[(tiles.shape[0], HK)](*operands, dk, dv, tiles, softmax_scale, Tq, Tk, H, HK,
-                                             BLOCK_M=BM1, BLOCK_N=BN1, SAFEGUARD=mode_dkdv,
-                                             num_warps=w1, num_stages=s1, **meta)
-    tiles = plan.tiles(BM2, "q", causal)
-    if tiles.shape[0] > 0:
-        _attn_bwd_dq[(tiles.shape[0], H)](*operands, dq, tiles, softmax_scale, Tq, Tk, H, HK,
-                                          BLOCK_M=BM2, BLOCK_N=BN2, SAFEGUARD=mode_dq,
-                                          num_warps=w2, num_stages=s2, **meta)
+    for kernel, outs, (BM, BN, warps, stages), side, heads, mode in (  # per key tile, per query tile
+            (_attn_bwd_dkdv, (dk, dv), var.dkdv, "k", HK, var.modes[1]),
+            (_attn_bwd_dq, (dq,), var.dq, "q", H, var.modes[2])):
+        tiles = plan.tiles(BN if side == "k" else BM, side, causal)
+        if tiles.shape[0] > 0:
+            kernel[(tiles.shape[0], heads)](q, k, v, ks, vs, k_scale, do, lse, delta, *outs, tiles,
+                                            softmax_scale, Tq, Tk, H, HK, D=D, BLOCK_M=BM, BLOCK_N=BN,
+                                            BLOCK_TOKENS=block_tokens, CAUSAL=causal, SAFEGUARD=mode,
+                                            K_SCALED=r.k_fp4, num_warps=warps, num_stages=stages)
     return dq, dk, dv
 
 
@@ -1905,9 +1901,8 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
 # outputs' shapes), so torch.compile treats them as opaque nodes instead of breaking the graph.
 # A Plan is a Python object and cannot cross the op boundary: the ops receive the cu_seqlens
 # tensors and find the Plan built for exactly those tensor objects (every Plan registers itself),
-# or build one (one host sync). The forward's quantized operands leave the op as outputs that
-# autograd saves for the backward; their layout is described ONCE, by _operand_layout, which the
-# fake op allocates and the real op's quantizers fill.
+# or build one (one host sync). The forward's quantized operands (Operands) leave the op as
+# outputs that autograd saves for the backward.
 class Operands(NamedTuple):
     """The forward's quantized operands, reused by the backward. Unused slots are empty tensors
     (custom-op outputs can be neither None nor aliases of each other)."""
@@ -1922,24 +1917,6 @@ class Operands(NamedTuple):
     v_exp: torch.Tensor  # (Hk, Tk_pad) uint8 E8M0 per block
     v_tok_t: torch.Tensor  # with the safeguard: V quantized per token, token-transposed ...
     v_tok_exp: torch.Tensor  # ... and its exponents
-
-
-def _operand_layout(recipe: Recipe, copies: bool, Tq, Tk, H, HK, D, q_pad, k_pad) -> Operands:
-    """(shape, dtype) of every slot of Operands; copies: the safeguard's per-token copies exist."""
-    f8, u8, f32 = torch.float8_e4m3fn, torch.uint8, torch.float32
-    unused = ((0,), f32)
-    if not recipe.quantized:
-        return Operands(*[unused] * len(Operands._fields))
-    if recipe.k_fp4:
-        n_blocks, block_dtype = ((D // NVFP4_BLOCK, f8) if recipe.k_format == "nvfp4"
-                                 else (D // MXFP4_BLOCK, u8))
-        k = [((Tk, HK, D // 2), u8), ((HK, Tk), f32), ((Tk, HK, n_blocks), block_dtype)]
-    else:
-        k = [((Tk, HK, D), f8), ((HK, k_pad), u8), unused]
-    k_tok = k[:2] if copies and not recipe.k_fp4 else [unused, unused]
-    v = [((HK, D, k_pad), f8), ((HK, k_pad), u8)]
-    v_tok = v if copies else [unused, unused]
-    return Operands(((Tq, H, D), f8), ((H, q_pad), u8), *k, *k_tok, *v, *v_tok)
 
 
 def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, copies: bool):
@@ -2025,18 +2002,27 @@ def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: t
     return [o, lse, *ops]
 
 
-_fwd_op = torch.library.custom_op("flamia::fwd", _fwd_impl, mutates_args=(),
-                                  device_types=("cuda", "cpu"))
-
-
-@_fwd_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale, recipe, block_tokens,
-      safeguard, backend, check_finite):
+def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale, recipe, block_tokens,
+              safeguard, backend, check_finite):
+    """The forward op's outputs as torch.compile's fake tensors: o, lse and the (shape, dtype) of
+    every slot of Operands."""
     (Tq, H, D), (Tk, HK) = q.shape, k.shape[:2]
     r = _RECIPES[recipe]
     n_docs = cu_seqlens_k.shape[0] - 1
-    layout = _operand_layout(r, _token_copies(r, causal, safeguard, block_tokens), Tq, Tk, H, HK, D,
-                             padded_tokens(Tq, n_docs), padded_tokens(Tk, n_docs))
+    q_pad, k_pad = padded_tokens(Tq, n_docs), padded_tokens(Tk, n_docs)
+    copies = _token_copies(r, causal, safeguard, block_tokens)  # the safeguard's per-token copies
+    f8, u8, f32 = torch.float8_e4m3fn, torch.uint8, torch.float32
+    unused = ((0,), f32)
+    if r.k_fp4:
+        n_blocks, block_dtype = (D // NVFP4_BLOCK, f8) if r.k_format == "nvfp4" else (D // MXFP4_BLOCK, u8)
+        k = [((Tk, HK, D // 2), u8), ((HK, Tk), f32), ((Tk, HK, n_blocks), block_dtype)]
+    else:
+        k = [((Tk, HK, D), f8), ((HK, k_pad), u8), unused]
+    k_tok = k[:2] if copies and not r.k_fp4 else [unused, unused]
+    v = [((HK, D, k_pad), f8), ((HK, k_pad), u8)]
+    v_tok = v if copies else [unused, unused]
+    layout = ([((Tq, H, D), f8), ((H, q_pad), u8), *k, *k_tok, *v, *v_tok] if r.quantized
+              else [unused] * len(Operands._fields))
     return [torch.empty_like(q), q.new_empty(H, Tq, dtype=torch.float32),
             *(q.new_empty(shape, dtype=dtype) for shape, dtype in layout)]
 
@@ -2052,28 +2038,26 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                softmax_scale=softmax_scale, block_tokens=block_tokens))
 
 
-_bwd_op = torch.library.custom_op("flamia::bwd", _bwd_impl, mutates_args=(),
-                                  device_types=("cuda", "cpu"))
+def _custom_op(name, impl, fake):
+    """impl as the torch custom op flamia::name, fake giving its outputs' shapes. The returned function
+    calls the op while torch.compile traces, else impl directly: the dispatcher's round trip (schema
+    check, redispatch, alias check) costs tens of microseconds of host time per call (measured with
+    the kernel launches stubbed out)."""
+    op = torch.library.custom_op(f"flamia::{name}", impl, mutates_args=(), device_types=("cuda", "cpu"))
+    op.register_fake(fake)
+    return lambda *args: (op if torch.compiler.is_compiling() else impl)(*args)
 
 
-@_bwd_op.register_fake
-def _(do, q, k, v, *_):
-    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
-
-
-def _op(custom_op, impl):
-    """torch.compile traces the custom op; eager calls its implementation directly: the
-    dispatcher's round trip (schema check, redispatch, alias check) costs tens of microseconds of
-    host time per call (measured with the kernel launches stubbed out)."""
-    return custom_op if torch.compiler.is_compiling() else impl
+_fwd = _custom_op("fwd", _fwd_impl, _fwd_fake)
+_bwd = _custom_op("bwd", _bwd_impl, lambda do, q, k, v, *_: [torch.empty_like(x) for x in (q, k, v)])
 
 
 class _FlamiaAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, dense, causal, scale, recipe, block_tokens, safeguard,
                 backend, check_finite, deterministic):
-        o, lse, *ops = _op(_fwd_op, _fwd_impl)(q, k, v, cu_q, cu_k, dense, causal, scale, recipe,
-                                               block_tokens, safeguard, backend, check_finite)
+        o, lse, *ops = _fwd(q, k, v, cu_q, cu_k, dense, causal, scale, recipe, block_tokens,
+                            safeguard, backend, check_finite)
         # The quantized recipes' backward needs only the quantized operands (half the bytes).
         keep = (q.new_empty(0),) * 3 if _RECIPES[recipe].quantized else (q, k, v)
         ctx.save_for_backward(*keep, o, lse, cu_q, cu_k, *ops)
@@ -2087,7 +2071,7 @@ class _FlamiaAttention(torch.autograd.Function):
         q, k, v, o, lse, cu_q, cu_k, *ops = ctx.saved_tensors
         if _RECIPES[ctx.args[3]].quantized:  # the kernels need only the originals' shapes
             q, k, v = (o.new_empty(s) for s in ctx.shapes)
-        dq, dk, dv = _op(_bwd_op, _bwd_impl)(do, q, k, v, o, lse, ops, cu_q, cu_k, *ctx.args)
+        dq, dk, dv = _bwd(do, q, k, v, o, lse, ops, cu_q, cu_k, *ctx.args)
         return dq, dk, dv, *([None] * 11)
 
 
