@@ -2139,22 +2139,11 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
                             block_tokens=DEFAULT_BLOCK_TOKENS, safeguard=True, rotate_qk=False,
                             backend=None, plan=None, return_lse=False, check_finite=False,
                             deterministic=False):
-    """FLAMIA attention on packed documents: flash-attn's varlen signature and layouts. README.md's
-    API table gives each option, and why its default.
-
-    q: (total_q, H, D); k, v: (total_k, Hk, D) with H % Hk == 0 (GQA/MQA); bf16 or fp16; D 64/128.
-    cu_seqlens_q / cu_seqlens_k: int32 (n_docs + 1,) document offsets; max_seqlen_*: upper bounds of
-    the document lengths. causal: per-document mask, bottom-right aligned. recipe: "mxfp8", "bf16"
-    (the same kernels without quantization), "nvfp4" / "mxfp4" (K in FP4). block_tokens: per K/V
-    scale block (1, 32, 64, 128). safeguard=False LEAKS the future (tests and demos only).
-    rotate_qk: Hadamard-rotate Q and K before quantizing (same logits). deterministic: the tl
-    backward, bitwise reproducible (the Gluon one adds dQ with atomics). check_finite: raise on
-    inf/NaN inputs (one host sync). backend: "wgmma", "dot_scaled", "gluon", or None: chosen per
-    call (variant()). plan: flamia_plan(...), built once per batch for all layers (without it each
-    call finds or builds one: a host sync when it builds); with it the cu_seqlens may be None, and
-    others than its own are refused. Returns out (total_q, H, D) [and lse (H, total_q), natural log,
-    not differentiable].
-    """
+    """FLAMIA attention on packed documents, with flash-attn's varlen signature and layouts: q
+    (total_q, H, D), k, v (total_k, Hk, D) with H % Hk == 0, bf16 or fp16, D 64 or 128; int32
+    cu_seqlens (n_docs + 1,); max_seqlen_*: bounds on the document lengths. README.md's API table
+    gives each option and why its default; safeguard=False LEAKS the future (tests and demos only).
+    Returns out (total_q, H, D) [and lse (H, total_q), natural log, not differentiable]."""
     _check_call(q, k, v, 3, recipe, block_tokens, backend)
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan must be a flamia.Plan (from flamia_plan), got {type(plan).__name__}")
@@ -2214,9 +2203,9 @@ def flamia_attn_func(q, k, v, *, causal=True, softmax_scale=None, recipe="mxfp8"
 _HF_PLANS = {}  # id(a batch's cu_seq_lens_q or position_ids) -> (stamp, Plan), while that tensor lives
 
 
-def _hf_plan(batch_tensor: torch.Tensor, query: torch.Tensor, make_plan) -> Plan:
-    """The Plan of `batch_tensor`'s batch, keyed by the tensor object: make_plan() builds it, again
-    if the tensor was changed in place or now serves another batch shape or device."""
+def _hf_plan(batch_tensor: torch.Tensor, query: torch.Tensor, cu_seqlens) -> Plan:
+    """The Plan of `batch_tensor`'s batch, keyed by the tensor object: flamia_plan(*cu_seqlens())
+    builds it, again if the tensor was changed in place or now serves another batch shape or device."""
     key = id(batch_tensor)
     stamp = (batch_tensor._version, query.shape[0], query.shape[2], query.device)
     hit = _HF_PLANS.get(key)
@@ -2224,7 +2213,7 @@ def _hf_plan(batch_tensor: torch.Tensor, query: torch.Tensor, make_plan) -> Plan
         weakref.finalize(batch_tensor, _HF_PLANS.pop, key, None)
     elif hit[0] == stamp:
         return hit[1]
-    _HF_PLANS[key] = (stamp, make_plan())
+    _HF_PLANS[key] = (stamp, flamia_plan(*cu_seqlens(), device=query.device))
     return _HF_PLANS[key][1]
 
 
@@ -2242,13 +2231,11 @@ def _documents_of(position_ids: torch.Tensor, batch: int, seqlen: int) -> torch.
 def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BLOCK_TOKENS,
                            **options):
     """A transformers attention function computing FLAMIA with this recipe and block_tokens
-    (options: safeguard, rotate_qk, backend, as for flamia_attn_varlen_func). Register it:
-        AttentionInterface.register("flamia", flamia_hf_attention_fn("mxfp8", block_tokens=32))
-        AttentionMaskInterface.register("flamia", transformers.masking_utils.flash_attention_mask)
-    The second line matters: without a mask function for the name, transformers DROPS a padding
-    mask before any custom attention sees it; with flash_attention_mask it arrives and is refused.
-    What it does not compute is refused (ValueError naming the argument), never computed wrong.
-    Non-causal modules: full attention per document; GQA is native; scaling is the softmax scale."""
+    (options: safeguard, rotate_qk, backend), registered as README.md shows, WITH transformers'
+    flash_attention_mask for the name: without a mask function transformers DROPS a padding mask
+    before any custom attention sees it (with it, the mask arrives and is refused). What it does not
+    compute is refused (ValueError naming the argument), never computed wrong. Non-causal modules:
+    full attention per document; GQA is native; scaling is the softmax scale."""
     _check_options(recipe, block_tokens, options.get("backend"))
 
     def flamia_hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -2287,12 +2274,9 @@ def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BL
             return flamia_attn_func(q, k, v, **kw), None
         if cu_q is not None:  # copies: the Plan must not keep the batch's own tensors alive
             cu_k = cu_q if kwargs.get("cu_seq_lens_k") is None else kwargs["cu_seq_lens_k"]
-            plan = _hf_plan(cu_q, query, lambda: flamia_plan(cu_q.to(torch.int32, copy=True),
-                                                      cu_k.to(torch.int32, copy=True),
-                                                      device=query.device))
+            plan = _hf_plan(cu_q, query, lambda: [c.to(torch.int32, copy=True) for c in (cu_q, cu_k)])
         else:
-            plan = _hf_plan(pos, query, lambda: flamia_plan(_documents_of(pos, B, Sq),
-                                                            device=query.device))
+            plan = _hf_plan(pos, query, lambda: [_documents_of(pos, B, Sq)])
         # max_length_q/k are only bounds: the Plan knows the exact longest documents
         o = flamia_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
                                     plan.cu_seqlens_q, plan.cu_seqlens_k, None, None, plan=plan, **kw)
