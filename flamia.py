@@ -2301,28 +2301,23 @@ def audit_causality(attn_fn, *, heads=2, kv_heads=None, head_dim=64, doc_lens=AU
                     positions=None, tensors=("q", "k", "v"), outlier=1e3, device=None,
                     dtype=torch.bfloat16, seed=0, gradients=False):
     """Audit `attn_fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)` (flash-attn
-    varlen signature, causal self-attention; may return out or (out, lse)).
-
-    positions: {doc index: [positions]} to perturb (default: a few per document, see below).
-    Returns a list of findings, one per (doc, position, tensor, kind) that leaked, each a dict with
-    kind "future" (an earlier row of the same document changed) or "document" (a row of another
-    document changed), the number of changed rows and the largest absolute change. [] means safe.
-    gradients: also back-propagate a fixed dO; a token's row then holds dQ too (a function of the
-    tokens up to it), and for other documents dK and dV (an earlier key's dK, dV legitimately
-    depends on later queries).
-    """
+    varlen signature, causal self-attention; may return out or (out, lse)). positions: {doc index:
+    [positions]} to perturb (default: a few per document). Returns the findings, [] if safe: one
+    dict per (doc, position, tensor, kind) that leaked, kind "future" (an earlier row of the same
+    document changed) or "document" (a row of another document), with the number of changed rows
+    and the largest absolute change. gradients: also back-propagate a fixed dO; a token's row then
+    holds dQ too (a function of the tokens up to it), and for other documents dK and dV (an earlier
+    key's dK, dV legitimately depends on later queries)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     kv_heads = kv_heads or heads
     gen = torch.Generator().manual_seed(seed)
     offsets = [0] + torch.cumsum(torch.tensor(doc_lens), 0).tolist()
     T = offsets[-1]
     cu = torch.tensor(offsets, dtype=torch.int32, device=device)
-    base = {n: torch.randn(T, h, head_dim, generator=gen).to(dtype).to(device)
-            for n, h in (("q", heads), ("k", kv_heads), ("v", kv_heads))}
+    randn = lambda h, g: torch.randn(T, h, head_dim, generator=g).to(dtype).to(device)
+    base = {n: randn(h, gen) for n, h in (("q", heads), ("k", kv_heads), ("v", kv_heads))}
+    d_out = randn(heads, torch.Generator().manual_seed(seed + 1))
     max_len = max(doc_lens)
-
-    d_out = torch.randn(T, heads, head_dim, generator=torch.Generator().manual_seed(seed + 1))
-    d_out = d_out.to(dtype).to(device)
 
     def run(x):  # a row per token: O [, LSE] [, dQ, dK, dV]
         if gradients:
@@ -2346,8 +2341,7 @@ def audit_causality(attn_fn, *, heads=2, kv_heads=None, head_dim=64, doc_lens=AU
         for p in plist:
             t = offsets[d] + p
             for name in tensors:
-                x = dict(base)
-                x[name] = base[name].clone()
+                x = dict(base, **{name: base[name].clone()})
                 sign = torch.sign(torch.randn(x[name][t].shape, generator=gen))
                 x[name][t] = (outlier * sign).to(dtype).to(device)
                 out = run(x)
@@ -2371,14 +2365,8 @@ def varlen_adapter(dense_fn):
     def fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         bounds = cu_seqlens_q.tolist()
         offs = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
-        S = max(b - a for a, b in offs)
-
-        def batch(x):  # (T, H, D) -> (B, S, H, D)
-            out = x.new_zeros(len(offs), S, *x.shape[1:])
-            for i, (a, b) in enumerate(offs):
-                out[i, :b - a] = x[a:b]
-            return out
-        o = dense_fn(batch(q), batch(k), batch(v))
+        batch = lambda x: torch.nn.utils.rnn.pad_sequence([x[a:b] for a, b in offs], batch_first=True)
+        o = dense_fn(batch(q), batch(k), batch(v))  # (T, H, D) -> (B, S, H, D), zeros past the ends
         return torch.cat([o[i, :b - a] for i, (a, b) in enumerate(offs)])
     return fn
 
