@@ -1682,11 +1682,10 @@ def _query_range(key_start, key_end, q_len, shift, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def _attn_bwd_dkdv_step(dk, dv, lse2, delta, k, v, ks, vs, kscale, pos_k, start_m,
-                        Q, DO, LSE, DELTA, q_len, shift, H, sm_scale_log2,
-                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-                        CAUSAL: tl.constexpr, K_SCALED: tl.constexpr, MASKED: tl.constexpr,
-                        PAIR_SAFEGUARD: tl.constexpr):
+def _attn_bwd_dkdv_step(dk, dv, lse2, delta, k, v, ks, vs, kscale, pos_k, start_m, Q, DO, LSE, DELTA, q_len,
+                        shift, H, sm_scale_log2, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, K_SCALED: tl.constexpr,
+                        MASKED: tl.constexpr, PAIR_SAFEGUARD: tl.constexpr):
     """One query tile at document-local row start_m (pointers at the document start and query
     head); its LSE and Delta arrive loaded one step ahead, as the forward's scales."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -1970,11 +1969,9 @@ def _check_plan(plan: Plan, total_q: int, total_k: int, max_seqlen_q=None, max_s
                              ("cu_seqlens_k", plan.total_k, total_k)):
         if have != want:
             raise ValueError(f"{name} must end at the total number of tokens {want}, got {have}")
-    if max_seqlen_q is not None and (max_seqlen_q < plan.max_seqlen_q
-                                     or max_seqlen_k < plan.max_seqlen_k):
-        raise ValueError(f"max_seqlen_q / max_seqlen_k ({max_seqlen_q}, {max_seqlen_k}) are "
-                         f"smaller than the longest documents ({plan.max_seqlen_q}, "
-                         f"{plan.max_seqlen_k})")
+    if max_seqlen_q is not None and (max_seqlen_q < plan.max_seqlen_q or max_seqlen_k < plan.max_seqlen_k):
+        raise ValueError(f"max_seqlen_q / max_seqlen_k ({max_seqlen_q}, {max_seqlen_k}) are smaller than "
+                         f"the longest documents ({plan.max_seqlen_q}, {plan.max_seqlen_k})")
 
 
 def _check_finite(q, k, v) -> None:
@@ -2093,11 +2090,9 @@ def _check_call(q, k, v, dims: int, recipe, block_tokens, backend) -> None:
             raise ValueError(f"q, k, v must share dtype and device; {name} is {x.dtype} on "
                              f"{x.device}, q is {q.dtype} on {q.device}")
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
-                         f"{tuple(v.shape)}")
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must have the same head_dim, got {q.shape[-1]} and "
-                         f"{k.shape[-1]}")
+        raise ValueError(f"q and k must have the same head_dim, got {q.shape[-1]} and {k.shape[-1]}")
     if q.shape[-2] % k.shape[-2] != 0:
         raise ValueError(f"the number of q heads ({q.shape[-2]}) must be a multiple of the number "
                          f"of k/v heads ({k.shape[-2]}) (GQA/MQA)")
@@ -2123,9 +2118,8 @@ def _attention(q, k, v, cu_q, cu_k, dense, causal, softmax_scale, recipe, block_
     if not kernels_available(q.device):  # CPU without the interpreter: the oracle (P unrounded)
         if check_finite:
             _check_finite(q, k, v)
-        o, lse = reference_attention(q, k, v, cu_q, cu_k, causal=causal,
-                                     softmax_scale=softmax_scale, recipe=recipe,
-                                     block_tokens=block_tokens, safeguard=safeguard,
+        o, lse = reference_attention(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=softmax_scale,
+                                     recipe=recipe, block_tokens=block_tokens, safeguard=safeguard,
                                      rotate_qk=rotate_qk, return_lse=True)
         return o.to(q.dtype), lse
     if rotate_qk:  # outside the custom op: autograd rotates dQ, dK back
@@ -2134,11 +2128,10 @@ def _attention(q, k, v, cu_q, cu_k, dense, causal, softmax_scale, recipe, block_
                                   block_tokens, safeguard, backend, check_finite, deterministic)
 
 
-def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                            causal=True, softmax_scale=None, recipe="mxfp8",
-                            block_tokens=DEFAULT_BLOCK_TOKENS, safeguard=True, rotate_qk=False,
-                            backend=None, plan=None, return_lse=False, check_finite=False,
-                            deterministic=False):
+def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=True,
+                            softmax_scale=None, recipe="mxfp8", block_tokens=DEFAULT_BLOCK_TOKENS,
+                            safeguard=True, rotate_qk=False, backend=None, plan=None, return_lse=False,
+                            check_finite=False, deterministic=False):
     """FLAMIA attention on packed documents, with flash-attn's varlen signature and layouts: q
     (total_q, H, D), k, v (total_k, Hk, D) with H % Hk == 0, bf16 or fp16, D 64 or 128; int32
     cu_seqlens (n_docs + 1,); max_seqlen_*: bounds on the document lengths. README.md's API table
@@ -2164,9 +2157,8 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         plan = _plan_for(cu_seqlens_q, cu_seqlens_k, [0, 0, 0])
     if plan is not None:
         _check_plan(plan, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
-    o, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, [0, 0, 0], causal, softmax_scale,
-                        recipe, block_tokens, safeguard, rotate_qk, backend, check_finite,
-                        deterministic)
+    o, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, [0, 0, 0], causal, softmax_scale, recipe,
+                        block_tokens, safeguard, rotate_qk, backend, check_finite, deterministic)
     return (o, lse) if return_lse else o
 
 
@@ -2177,8 +2169,7 @@ def flamia_attn_func(q, k, v, *, causal=True, softmax_scale=None, recipe="mxfp8"
     Returns out (B, Sq, H, D) [and lse (B, H, Sq)]. No host sync (the Plan comes from shapes)."""
     _check_call(q, k, v, 4, recipe, block_tokens, backend)
     if k.shape[0] != q.shape[0]:
-        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and "
-                         f"{k.shape[0]}")
+        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
     (B, Sq, H, D), Sk = q.shape, k.shape[1]
     cu = lambda s: torch.arange(0, (B + 1) * s, s, dtype=torch.int32, device=q.device)
     o, lse = _attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu(Sq), cu(Sk),
@@ -2228,8 +2219,7 @@ def _documents_of(position_ids: torch.Tensor, batch: int, seqlen: int) -> torch.
     return torch.cat([cu, cu.new_tensor([batch * seqlen])]).to(torch.int32)
 
 
-def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BLOCK_TOKENS,
-                           **options):
+def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BLOCK_TOKENS, **options):
     """A transformers attention function computing FLAMIA with this recipe and block_tokens
     (options: safeguard, rotate_qk, backend), registered as README.md shows, WITH transformers'
     flash_attention_mask for the name: without a mask function transformers DROPS a padding mask
@@ -2238,8 +2228,7 @@ def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BL
     full attention per document; GQA is native; scaling is the softmax scale."""
     _check_options(recipe, block_tokens, options.get("backend"))
 
-    def flamia_hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                            **kwargs):
+    def flamia_hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         (B, H, Sq, D), Sk = query.shape, key.shape[2]
         if attention_mask is not None and (attention_mask.dim() != 2 or not attention_mask.all()):
             raise ValueError(f"attention_mask: FLAMIA takes no padding or 4-D mask (it applies the "
@@ -2250,9 +2239,8 @@ def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BL
         if dropout > 0:
             raise ValueError(f"dropout: FLAMIA has no attention dropout; expected 0.0, got "
                              f"{dropout} (set config.attention_dropout = 0.0)")
-        for name, v in (("sliding_window", kwargs.get("sliding_window",
-                                                      getattr(module, "sliding_window", None))),
-                        ("softcap", kwargs.get("softcap"))):
+        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        for name, v in (("sliding_window", window), ("softcap", kwargs.get("softcap"))):
             if v is not None:
                 raise ValueError(f"{name}: FLAMIA supports neither sliding windows nor logit "
                                  f"softcapping; expected None, got {v!r}")
@@ -2267,8 +2255,7 @@ def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BL
             dtype = torch.get_autocast_dtype(query.device.type)
             query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, S, heads, D)
-        kw = dict(causal=causal, softmax_scale=scaling, recipe=recipe, block_tokens=block_tokens,
-                  **options)
+        kw = dict(causal=causal, softmax_scale=scaling, recipe=recipe, block_tokens=block_tokens, **options)
         cu_q, pos = kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids")
         if cu_q is None and pos is None:
             return flamia_attn_func(q, k, v, **kw), None
@@ -2401,8 +2388,7 @@ def _fix_interpreter_numerics():
     B = interp.InterpreterBuilder
     if getattr(interp, "_numerics_patched", False):
         return
-    if not all(hasattr(o, a) for o, a in ((interp, "_convert_float"), (B, "create_dot"),
-                                          (B, "cast_impl"))):
+    if not all(hasattr(o, a) for o, a in ((interp, "_convert_float"), (B, "create_dot"), (B, "cast_impl"))):
         raise RuntimeError(f"triton {triton.__version__}: the interpreter's internals changed, so "
                            "FLAMIA cannot fix its numerics; unset TRITON_INTERPRET or use "
                            "triton 3.6-3.9")
@@ -2426,8 +2412,7 @@ def _fix_interpreter_numerics():
         return out.view(f"uint{n_out}")  # the original's contract: raw bits
 
     def create_dot(self, a, b, d, *args):  # bug (1): upcast bf16 to fp32 (exact) first
-        a, b = (orig_cast(self, x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x
-                for x in (a, b))
+        a, b = (orig_cast(self, x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x for x in (a, b))
         return orig_dot(self, a, b, d, *args)
 
     def cast_impl(self, src, dst_type):  # bug (3): go through fp32 and the fixed rounding
