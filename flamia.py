@@ -1620,8 +1620,7 @@ def _dequantize_kernel(X, E, Y, TILES, T_PAD, H: tl.constexpr, D: tl.constexpr,
     tile, h = tl.program_id(0), tl.program_id(1)
     row = TILES + tile * 8
     start, end = tl.load(row + TILE_START), tl.load(row + TILE_END)
-    offs = tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, D)
+    offs, offs_d = tl.arange(0, BLOCK_T), tl.arange(0, D)
     mask = start + offs < end
     p0 = tl.load(row + OWN_PAD) + (start - tl.load(row + OWN_START))  # first padded position
     if TRANSPOSED:
@@ -1676,8 +1675,7 @@ def _query_range(key_start, key_end, q_len, shift, BLOCK_M: tl.constexpr,
         q_mid = tl.minimum((tl.maximum(thr - shift, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, q_len)
         q_mid = tl.maximum(q_mid, q_lo)
     else:
-        q_lo = 0
-        q_mid = 0
+        q_lo, q_mid = 0, 0
     return q_lo, q_mid
 
 
@@ -1754,8 +1752,7 @@ def _attn_bwd_dkdv(
     if SAFEGUARD == "tile":  # the masked query tiles all lie in this key tile's block
         k_diag, v_diag = ks, vs
     sm_scale_log2 = sm_scale * 1.4426950408889634
-    dk = tl.zeros((BLOCK_N, D), tl.float32)
-    dv = tl.zeros((BLOCK_N, D), tl.float32)
+    dk, dv = tl.zeros((BLOCK_N, D), tl.float32), tl.zeros((BLOCK_N, D), tl.float32)
     for hq in range(hk * (H // HK), (hk + 1) * (H // HK)):  # GQA: sum over this K/V head's queries
         Qh, DOh = Q + (qd_start * H + hq) * D, DO + (qd_start * H + hq) * D
         LSEh, DELTAh = LSE + hq * T_Q + qd_start, DELTA + hq * T_Q + qd_start
@@ -1927,22 +1924,20 @@ def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, c
     # Q per token: a scale shared along its rows would leak. V only token-transposed: the K-major
     # operand of P V (the backward dequantizes this copy).
     queries = q if plan.same_documents else None  # one tile table for Q and K: Q joins the launch
-    k_tok = (None, None)
     if recipe.k_fp4:  # FP4 along the head dim, per token: the safeguard needs no copy of K
         kf = quantize_fp4(k, plan, recipe.k_format, "k")
-        k_parts = (kf.packed, kf.s2, kf.block_scale)
+        k_parts = (kf.packed, kf.s2, kf.block_scale, None, None)
         v8, _, q8 = quantize_mxfp8_launch(v, plan, block_tokens, "k", transposed=True,
                                           per_token_copy=copies, queries=queries)
     else:  # K row-major and V in the same launch
         k8, v8, q8 = quantize_mxfp8_launch(k, plan, block_tokens, "k", per_token_copy=copies,
                                            second=(v, True), queries=queries)
-        k_parts = (k8.data, k8.exp, None)
-        if copies:
-            k_tok = (k8.tok.data, k8.tok.exp)
+        k_tok = (k8.tok.data, k8.tok.exp) if copies else (None, None)
+        k_parts = (k8.data, k8.exp, None, *k_tok)
     if q8 is None:  # cross-attention: Q follows other documents, its own launch
         q8 = quantize_mxfp8(q, plan, 1, "q")
     v_tok = (v8.tok.data_t, v8.tok.exp) if copies else (None, None)
-    parts = (q8.data, q8.exp, *k_parts, *k_tok, v8.data_t, v8.exp, *v_tok)
+    parts = (q8.data, q8.exp, *k_parts, v8.data_t, v8.exp, *v_tok)
     return Operands(*(p if p is not None else unused() for p in parts))
 
 
@@ -2073,9 +2068,8 @@ class _FlamiaAttention(torch.autograd.Function):
 
 
 def kernels_available(device) -> bool:
-    """True where the Triton kernels run (a CUDA device, or Triton's interpreter while
-    TRITON_INTERPRET=1); elsewhere the public functions compute the recipe's function through the
-    PyTorch oracle (with P unrounded: see section 4)."""
+    """True where the Triton kernels run: a CUDA device, or Triton's interpreter (TRITON_INTERPRET=1);
+    elsewhere the public functions compute the recipe's function with the oracle (P unrounded)."""
     interpreting = INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"
     return torch.device(device).type == "cuda" or interpreting
 
@@ -2232,10 +2226,9 @@ def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BL
         (B, H, Sq, D), Sk = query.shape, key.shape[2]
         if attention_mask is not None and (attention_mask.dim() != 2 or not attention_mask.all()):
             raise ValueError(f"attention_mask: FLAMIA takes no padding or 4-D mask (it applies the "
-                             f"causal, per-document mask itself); got shape "
-                             f"{tuple(attention_mask.shape)}. Pack documents without padding "
-                             f"(DataCollatorWithFlattening) and register transformers' "
-                             f"flash_attention_mask for this attention name")
+                             f"causal, per-document mask itself); got shape {tuple(attention_mask.shape)}. "
+                             f"Pack documents without padding (DataCollatorWithFlattening) and register "
+                             f"transformers' flash_attention_mask for this attention name")
         if dropout > 0:
             raise ValueError(f"dropout: FLAMIA has no attention dropout; expected 0.0, got "
                              f"{dropout} (set config.attention_dropout = 0.0)")
@@ -2389,9 +2382,8 @@ def _fix_interpreter_numerics():
     if getattr(interp, "_numerics_patched", False):
         return
     if not all(hasattr(o, a) for o, a in ((interp, "_convert_float"), (B, "create_dot"), (B, "cast_impl"))):
-        raise RuntimeError(f"triton {triton.__version__}: the interpreter's internals changed, so "
-                           "FLAMIA cannot fix its numerics; unset TRITON_INTERPRET or use "
-                           "triton 3.6-3.9")
+        raise RuntimeError(f"triton {triton.__version__}: the interpreter's internals changed, so FLAMIA "
+                           "cannot fix its numerics; unset TRITON_INTERPRET or use triton 3.6-3.9")
     # The interpreter stores bf16 / fp8 tensors as raw uint16 / uint8 bit patterns in numpy.
     torch_dt = {tl.float64: torch.float64, tl.float32: torch.float32, tl.float16: torch.float16,
                 tl.bfloat16: torch.bfloat16, tl.float8e4nv: torch.float8_e4m3fn,
