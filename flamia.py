@@ -1620,8 +1620,7 @@ def _dequantize_kernel(X, E, Y, TILES, T_PAD, H: tl.constexpr, D: tl.constexpr,
     tile, h = tl.program_id(0), tl.program_id(1)
     row = TILES + tile * 8
     start, end = tl.load(row + TILE_START), tl.load(row + TILE_END)
-    offs = tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, D)
+    offs, offs_d = tl.arange(0, BLOCK_T), tl.arange(0, D)
     mask = start + offs < end
     p0 = tl.load(row + OWN_PAD) + (start - tl.load(row + OWN_START))  # first padded position
     if TRANSPOSED:
@@ -1676,17 +1675,15 @@ def _query_range(key_start, key_end, q_len, shift, BLOCK_M: tl.constexpr,
         q_mid = tl.minimum((tl.maximum(thr - shift, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, q_len)
         q_mid = tl.maximum(q_mid, q_lo)
     else:
-        q_lo = 0
-        q_mid = 0
+        q_lo, q_mid = 0, 0
     return q_lo, q_mid
 
 
 @triton.jit
-def _attn_bwd_dkdv_step(dk, dv, lse2, delta, k, v, ks, vs, kscale, pos_k, start_m,
-                        Q, DO, LSE, DELTA, q_len, shift, H, sm_scale_log2,
-                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-                        CAUSAL: tl.constexpr, K_SCALED: tl.constexpr, MASKED: tl.constexpr,
-                        PAIR_SAFEGUARD: tl.constexpr):
+def _attn_bwd_dkdv_step(dk, dv, lse2, delta, k, v, ks, vs, kscale, pos_k, start_m, Q, DO, LSE, DELTA, q_len,
+                        shift, H, sm_scale_log2, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, K_SCALED: tl.constexpr,
+                        MASKED: tl.constexpr, PAIR_SAFEGUARD: tl.constexpr):
     """One query tile at document-local row start_m (pointers at the document start and query
     head); its LSE and Delta arrive loaded one step ahead, as the forward's scales."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -1755,8 +1752,7 @@ def _attn_bwd_dkdv(
     if SAFEGUARD == "tile":  # the masked query tiles all lie in this key tile's block
         k_diag, v_diag = ks, vs
     sm_scale_log2 = sm_scale * 1.4426950408889634
-    dk = tl.zeros((BLOCK_N, D), tl.float32)
-    dv = tl.zeros((BLOCK_N, D), tl.float32)
+    dk, dv = tl.zeros((BLOCK_N, D), tl.float32), tl.zeros((BLOCK_N, D), tl.float32)
     for hq in range(hk * (H // HK), (hk + 1) * (H // HK)):  # GQA: sum over this K/V head's queries
         Qh, DOh = Q + (qd_start * H + hq) * D, DO + (qd_start * H + hq) * D
         LSEh, DELTAh = LSE + hq * T_Q + qd_start, DELTA + hq * T_Q + qd_start
@@ -1882,19 +1878,15 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
         return dq, dk, dv
     init = torch.zeros if plan.rows_without_keys[causal] else torch.empty
     dq = init(Tq, H, D, dtype=q.dtype, device=q.device)
-    (BM1, BN1, w1, s1), (BM2, BN2, w2, s2), (_, mode_dkdv, mode_dq) = var.dkdv, var.dq, var.modes
-    operands = (q, k, v, ks, vs, k_scale, do, lse, delta)
-    meta = dict(D=D, BLOCK_TOKENS=block_tokens, CAUSAL=causal, K_SCALED=r.k_fp4)
-    tiles = plan.tiles(BN1, "k", causal)
-    if tiles.shape[0] > 0:
-        _attn_bwd_dkdv[(tiles.shape[0], HK)](*operands, dk, dv, tiles, softmax_scale, Tq, Tk, H, HK,
-                                             BLOCK_M=BM1, BLOCK_N=BN1, SAFEGUARD=mode_dkdv,
-                                             num_warps=w1, num_stages=s1, **meta)
-    tiles = plan.tiles(BM2, "q", causal)
-    if tiles.shape[0] > 0:
-        _attn_bwd_dq[(tiles.shape[0], H)](*operands, dq, tiles, softmax_scale, Tq, Tk, H, HK,
-                                          BLOCK_M=BM2, BLOCK_N=BN2, SAFEGUARD=mode_dq,
-                                          num_warps=w2, num_stages=s2, **meta)
+    for kernel, outs, (BM, BN, warps, stages), side, heads, mode in (  # per key tile, per query tile
+            (_attn_bwd_dkdv, (dk, dv), var.dkdv, "k", HK, var.modes[1]),
+            (_attn_bwd_dq, (dq,), var.dq, "q", H, var.modes[2])):
+        tiles = plan.tiles(BN if side == "k" else BM, side, causal)
+        if tiles.shape[0] > 0:
+            kernel[(tiles.shape[0], heads)](q, k, v, ks, vs, k_scale, do, lse, delta, *outs, tiles,
+                                            softmax_scale, Tq, Tk, H, HK, D=D, BLOCK_M=BM, BLOCK_N=BN,
+                                            BLOCK_TOKENS=block_tokens, CAUSAL=causal, SAFEGUARD=mode,
+                                            K_SCALED=r.k_fp4, num_warps=warps, num_stages=stages)
     return dq, dk, dv
 
 
@@ -1905,9 +1897,8 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
 # outputs' shapes), so torch.compile treats them as opaque nodes instead of breaking the graph.
 # A Plan is a Python object and cannot cross the op boundary: the ops receive the cu_seqlens
 # tensors and find the Plan built for exactly those tensor objects (every Plan registers itself),
-# or build one (one host sync). The forward's quantized operands leave the op as outputs that
-# autograd saves for the backward; their layout is described ONCE, by _operand_layout, which the
-# fake op allocates and the real op's quantizers fill.
+# or build one (one host sync). The forward's quantized operands (Operands) leave the op as
+# outputs that autograd saves for the backward.
 class Operands(NamedTuple):
     """The forward's quantized operands, reused by the backward. Unused slots are empty tensors
     (custom-op outputs can be neither None nor aliases of each other)."""
@@ -1924,24 +1915,6 @@ class Operands(NamedTuple):
     v_tok_exp: torch.Tensor  # ... and its exponents
 
 
-def _operand_layout(recipe: Recipe, copies: bool, Tq, Tk, H, HK, D, q_pad, k_pad) -> Operands:
-    """(shape, dtype) of every slot of Operands; copies: the safeguard's per-token copies exist."""
-    f8, u8, f32 = torch.float8_e4m3fn, torch.uint8, torch.float32
-    unused = ((0,), f32)
-    if not recipe.quantized:
-        return Operands(*[unused] * len(Operands._fields))
-    if recipe.k_fp4:
-        n_blocks, block_dtype = ((D // NVFP4_BLOCK, f8) if recipe.k_format == "nvfp4"
-                                 else (D // MXFP4_BLOCK, u8))
-        k = [((Tk, HK, D // 2), u8), ((HK, Tk), f32), ((Tk, HK, n_blocks), block_dtype)]
-    else:
-        k = [((Tk, HK, D), f8), ((HK, k_pad), u8), unused]
-    k_tok = k[:2] if copies and not recipe.k_fp4 else [unused, unused]
-    v = [((HK, D, k_pad), f8), ((HK, k_pad), u8)]
-    v_tok = v if copies else [unused, unused]
-    return Operands(((Tq, H, D), f8), ((H, q_pad), u8), *k, *k_tok, *v, *v_tok)
-
-
 def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, copies: bool):
     """The forward's Operands: ONE fused quantizer launch for Q, K and V (self-attention; two
     when the query documents differ from the key documents or K is FP4); bf16: all unused."""
@@ -1951,22 +1924,20 @@ def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, c
     # Q per token: a scale shared along its rows would leak. V only token-transposed: the K-major
     # operand of P V (the backward dequantizes this copy).
     queries = q if plan.same_documents else None  # one tile table for Q and K: Q joins the launch
-    k_tok = (None, None)
     if recipe.k_fp4:  # FP4 along the head dim, per token: the safeguard needs no copy of K
         kf = quantize_fp4(k, plan, recipe.k_format, "k")
-        k_parts = (kf.packed, kf.s2, kf.block_scale)
+        k_parts = (kf.packed, kf.s2, kf.block_scale, None, None)
         v8, _, q8 = quantize_mxfp8_launch(v, plan, block_tokens, "k", transposed=True,
                                           per_token_copy=copies, queries=queries)
     else:  # K row-major and V in the same launch
         k8, v8, q8 = quantize_mxfp8_launch(k, plan, block_tokens, "k", per_token_copy=copies,
                                            second=(v, True), queries=queries)
-        k_parts = (k8.data, k8.exp, None)
-        if copies:
-            k_tok = (k8.tok.data, k8.tok.exp)
+        k_tok = (k8.tok.data, k8.tok.exp) if copies else (None, None)
+        k_parts = (k8.data, k8.exp, None, *k_tok)
     if q8 is None:  # cross-attention: Q follows other documents, its own launch
         q8 = quantize_mxfp8(q, plan, 1, "q")
     v_tok = (v8.tok.data_t, v8.tok.exp) if copies else (None, None)
-    parts = (q8.data, q8.exp, *k_parts, *k_tok, v8.data_t, v8.exp, *v_tok)
+    parts = (q8.data, q8.exp, *k_parts, v8.data_t, v8.exp, *v_tok)
     return Operands(*(p if p is not None else unused() for p in parts))
 
 
@@ -1993,11 +1964,9 @@ def _check_plan(plan: Plan, total_q: int, total_k: int, max_seqlen_q=None, max_s
                              ("cu_seqlens_k", plan.total_k, total_k)):
         if have != want:
             raise ValueError(f"{name} must end at the total number of tokens {want}, got {have}")
-    if max_seqlen_q is not None and (max_seqlen_q < plan.max_seqlen_q
-                                     or max_seqlen_k < plan.max_seqlen_k):
-        raise ValueError(f"max_seqlen_q / max_seqlen_k ({max_seqlen_q}, {max_seqlen_k}) are "
-                         f"smaller than the longest documents ({plan.max_seqlen_q}, "
-                         f"{plan.max_seqlen_k})")
+    if max_seqlen_q is not None and (max_seqlen_q < plan.max_seqlen_q or max_seqlen_k < plan.max_seqlen_k):
+        raise ValueError(f"max_seqlen_q / max_seqlen_k ({max_seqlen_q}, {max_seqlen_k}) are smaller than "
+                         f"the longest documents ({plan.max_seqlen_q}, {plan.max_seqlen_k})")
 
 
 def _check_finite(q, k, v) -> None:
@@ -2025,18 +1994,27 @@ def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: t
     return [o, lse, *ops]
 
 
-_fwd_op = torch.library.custom_op("flamia::fwd", _fwd_impl, mutates_args=(),
-                                  device_types=("cuda", "cpu"))
-
-
-@_fwd_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale, recipe, block_tokens,
-      safeguard, backend, check_finite):
+def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale, recipe, block_tokens,
+              safeguard, backend, check_finite):
+    """The forward op's outputs as torch.compile's fake tensors: o, lse and the (shape, dtype) of
+    every slot of Operands."""
     (Tq, H, D), (Tk, HK) = q.shape, k.shape[:2]
     r = _RECIPES[recipe]
     n_docs = cu_seqlens_k.shape[0] - 1
-    layout = _operand_layout(r, _token_copies(r, causal, safeguard, block_tokens), Tq, Tk, H, HK, D,
-                             padded_tokens(Tq, n_docs), padded_tokens(Tk, n_docs))
+    q_pad, k_pad = padded_tokens(Tq, n_docs), padded_tokens(Tk, n_docs)
+    copies = _token_copies(r, causal, safeguard, block_tokens)  # the safeguard's per-token copies
+    f8, u8, f32 = torch.float8_e4m3fn, torch.uint8, torch.float32
+    unused = ((0,), f32)
+    if r.k_fp4:
+        n_blocks, block_dtype = (D // NVFP4_BLOCK, f8) if r.k_format == "nvfp4" else (D // MXFP4_BLOCK, u8)
+        k = [((Tk, HK, D // 2), u8), ((HK, Tk), f32), ((Tk, HK, n_blocks), block_dtype)]
+    else:
+        k = [((Tk, HK, D), f8), ((HK, k_pad), u8), unused]
+    k_tok = k[:2] if copies and not r.k_fp4 else [unused, unused]
+    v = [((HK, D, k_pad), f8), ((HK, k_pad), u8)]
+    v_tok = v if copies else [unused, unused]
+    layout = ([((Tq, H, D), f8), ((H, q_pad), u8), *k, *k_tok, *v, *v_tok] if r.quantized
+              else [unused] * len(Operands._fields))
     return [torch.empty_like(q), q.new_empty(H, Tq, dtype=torch.float32),
             *(q.new_empty(shape, dtype=dtype) for shape, dtype in layout)]
 
@@ -2052,28 +2030,26 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                softmax_scale=softmax_scale, block_tokens=block_tokens))
 
 
-_bwd_op = torch.library.custom_op("flamia::bwd", _bwd_impl, mutates_args=(),
-                                  device_types=("cuda", "cpu"))
+def _custom_op(name, impl, fake):
+    """impl as the torch custom op flamia::name, fake giving its outputs' shapes. The returned function
+    calls the op while torch.compile traces, else impl directly: the dispatcher's round trip (schema
+    check, redispatch, alias check) costs tens of microseconds of host time per call (measured with
+    the kernel launches stubbed out)."""
+    op = torch.library.custom_op(f"flamia::{name}", impl, mutates_args=(), device_types=("cuda", "cpu"))
+    op.register_fake(fake)
+    return lambda *args: (op if torch.compiler.is_compiling() else impl)(*args)
 
 
-@_bwd_op.register_fake
-def _(do, q, k, v, *_):
-    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
-
-
-def _op(custom_op, impl):
-    """torch.compile traces the custom op; eager calls its implementation directly: the
-    dispatcher's round trip (schema check, redispatch, alias check) costs tens of microseconds of
-    host time per call (measured with the kernel launches stubbed out)."""
-    return custom_op if torch.compiler.is_compiling() else impl
+_fwd = _custom_op("fwd", _fwd_impl, _fwd_fake)
+_bwd = _custom_op("bwd", _bwd_impl, lambda do, q, k, v, *_: [torch.empty_like(x) for x in (q, k, v)])
 
 
 class _FlamiaAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, dense, causal, scale, recipe, block_tokens, safeguard,
                 backend, check_finite, deterministic):
-        o, lse, *ops = _op(_fwd_op, _fwd_impl)(q, k, v, cu_q, cu_k, dense, causal, scale, recipe,
-                                               block_tokens, safeguard, backend, check_finite)
+        o, lse, *ops = _fwd(q, k, v, cu_q, cu_k, dense, causal, scale, recipe, block_tokens,
+                            safeguard, backend, check_finite)
         # The quantized recipes' backward needs only the quantized operands (half the bytes).
         keep = (q.new_empty(0),) * 3 if _RECIPES[recipe].quantized else (q, k, v)
         ctx.save_for_backward(*keep, o, lse, cu_q, cu_k, *ops)
@@ -2087,14 +2063,13 @@ class _FlamiaAttention(torch.autograd.Function):
         q, k, v, o, lse, cu_q, cu_k, *ops = ctx.saved_tensors
         if _RECIPES[ctx.args[3]].quantized:  # the kernels need only the originals' shapes
             q, k, v = (o.new_empty(s) for s in ctx.shapes)
-        dq, dk, dv = _op(_bwd_op, _bwd_impl)(do, q, k, v, o, lse, ops, cu_q, cu_k, *ctx.args)
+        dq, dk, dv = _bwd(do, q, k, v, o, lse, ops, cu_q, cu_k, *ctx.args)
         return dq, dk, dv, *([None] * 11)
 
 
 def kernels_available(device) -> bool:
-    """True where the Triton kernels run (a CUDA device, or Triton's interpreter while
-    TRITON_INTERPRET=1); elsewhere the public functions compute the recipe's function through the
-    PyTorch oracle (with P unrounded: see section 4)."""
+    """True where the Triton kernels run: a CUDA device, or Triton's interpreter (TRITON_INTERPRET=1);
+    elsewhere the public functions compute the recipe's function with the oracle (P unrounded)."""
     interpreting = INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"
     return torch.device(device).type == "cuda" or interpreting
 
@@ -2109,11 +2084,9 @@ def _check_call(q, k, v, dims: int, recipe, block_tokens, backend) -> None:
             raise ValueError(f"q, k, v must share dtype and device; {name} is {x.dtype} on "
                              f"{x.device}, q is {q.dtype} on {q.device}")
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
-                         f"{tuple(v.shape)}")
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must have the same head_dim, got {q.shape[-1]} and "
-                         f"{k.shape[-1]}")
+        raise ValueError(f"q and k must have the same head_dim, got {q.shape[-1]} and {k.shape[-1]}")
     if q.shape[-2] % k.shape[-2] != 0:
         raise ValueError(f"the number of q heads ({q.shape[-2]}) must be a multiple of the number "
                          f"of k/v heads ({k.shape[-2]}) (GQA/MQA)")
@@ -2139,9 +2112,8 @@ def _attention(q, k, v, cu_q, cu_k, dense, causal, softmax_scale, recipe, block_
     if not kernels_available(q.device):  # CPU without the interpreter: the oracle (P unrounded)
         if check_finite:
             _check_finite(q, k, v)
-        o, lse = reference_attention(q, k, v, cu_q, cu_k, causal=causal,
-                                     softmax_scale=softmax_scale, recipe=recipe,
-                                     block_tokens=block_tokens, safeguard=safeguard,
+        o, lse = reference_attention(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=softmax_scale,
+                                     recipe=recipe, block_tokens=block_tokens, safeguard=safeguard,
                                      rotate_qk=rotate_qk, return_lse=True)
         return o.to(q.dtype), lse
     if rotate_qk:  # outside the custom op: autograd rotates dQ, dK back
@@ -2150,27 +2122,15 @@ def _attention(q, k, v, cu_q, cu_k, dense, causal, softmax_scale, recipe, block_
                                   block_tokens, safeguard, backend, check_finite, deterministic)
 
 
-def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                            causal=True, softmax_scale=None, recipe="mxfp8",
-                            block_tokens=DEFAULT_BLOCK_TOKENS, safeguard=True, rotate_qk=False,
-                            backend=None, plan=None, return_lse=False, check_finite=False,
-                            deterministic=False):
-    """FLAMIA attention on packed documents: flash-attn's varlen signature and layouts. README.md's
-    API table gives each option, and why its default.
-
-    q: (total_q, H, D); k, v: (total_k, Hk, D) with H % Hk == 0 (GQA/MQA); bf16 or fp16; D 64/128.
-    cu_seqlens_q / cu_seqlens_k: int32 (n_docs + 1,) document offsets; max_seqlen_*: upper bounds of
-    the document lengths. causal: per-document mask, bottom-right aligned. recipe: "mxfp8", "bf16"
-    (the same kernels without quantization), "nvfp4" / "mxfp4" (K in FP4). block_tokens: per K/V
-    scale block (1, 32, 64, 128). safeguard=False LEAKS the future (tests and demos only).
-    rotate_qk: Hadamard-rotate Q and K before quantizing (same logits). deterministic: the tl
-    backward, bitwise reproducible (the Gluon one adds dQ with atomics). check_finite: raise on
-    inf/NaN inputs (one host sync). backend: "wgmma", "dot_scaled", "gluon", or None: chosen per
-    call (variant()). plan: flamia_plan(...), built once per batch for all layers (without it each
-    call finds or builds one: a host sync when it builds); with it the cu_seqlens may be None, and
-    others than its own are refused. Returns out (total_q, H, D) [and lse (H, total_q), natural log,
-    not differentiable].
-    """
+def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=True,
+                            softmax_scale=None, recipe="mxfp8", block_tokens=DEFAULT_BLOCK_TOKENS,
+                            safeguard=True, rotate_qk=False, backend=None, plan=None, return_lse=False,
+                            check_finite=False, deterministic=False):
+    """FLAMIA attention on packed documents, with flash-attn's varlen signature and layouts: q
+    (total_q, H, D), k, v (total_k, Hk, D) with H % Hk == 0, bf16 or fp16, D 64 or 128; int32
+    cu_seqlens (n_docs + 1,); max_seqlen_*: bounds on the document lengths. README.md's API table
+    gives each option and why its default; safeguard=False LEAKS the future (tests and demos only).
+    Returns out (total_q, H, D) [and lse (H, total_q), natural log, not differentiable]."""
     _check_call(q, k, v, 3, recipe, block_tokens, backend)
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan must be a flamia.Plan (from flamia_plan), got {type(plan).__name__}")
@@ -2191,9 +2151,8 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
         plan = _plan_for(cu_seqlens_q, cu_seqlens_k, [0, 0, 0])
     if plan is not None:
         _check_plan(plan, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
-    o, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, [0, 0, 0], causal, softmax_scale,
-                        recipe, block_tokens, safeguard, rotate_qk, backend, check_finite,
-                        deterministic)
+    o, lse = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, [0, 0, 0], causal, softmax_scale, recipe,
+                        block_tokens, safeguard, rotate_qk, backend, check_finite, deterministic)
     return (o, lse) if return_lse else o
 
 
@@ -2204,8 +2163,7 @@ def flamia_attn_func(q, k, v, *, causal=True, softmax_scale=None, recipe="mxfp8"
     Returns out (B, Sq, H, D) [and lse (B, H, Sq)]. No host sync (the Plan comes from shapes)."""
     _check_call(q, k, v, 4, recipe, block_tokens, backend)
     if k.shape[0] != q.shape[0]:
-        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and "
-                         f"{k.shape[0]}")
+        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
     (B, Sq, H, D), Sk = q.shape, k.shape[1]
     cu = lambda s: torch.arange(0, (B + 1) * s, s, dtype=torch.int32, device=q.device)
     o, lse = _attention(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu(Sq), cu(Sk),
@@ -2230,9 +2188,9 @@ def flamia_attn_func(q, k, v, *, causal=True, softmax_scale=None, recipe="mxfp8"
 _HF_PLANS = {}  # id(a batch's cu_seq_lens_q or position_ids) -> (stamp, Plan), while that tensor lives
 
 
-def _hf_plan(batch_tensor: torch.Tensor, query: torch.Tensor, make_plan) -> Plan:
-    """The Plan of `batch_tensor`'s batch, keyed by the tensor object: make_plan() builds it, again
-    if the tensor was changed in place or now serves another batch shape or device."""
+def _hf_plan(batch_tensor: torch.Tensor, query: torch.Tensor, cu_seqlens) -> Plan:
+    """The Plan of `batch_tensor`'s batch, keyed by the tensor object: flamia_plan(*cu_seqlens())
+    builds it, again if the tensor was changed in place or now serves another batch shape or device."""
     key = id(batch_tensor)
     stamp = (batch_tensor._version, query.shape[0], query.shape[2], query.device)
     hit = _HF_PLANS.get(key)
@@ -2240,7 +2198,7 @@ def _hf_plan(batch_tensor: torch.Tensor, query: torch.Tensor, make_plan) -> Plan
         weakref.finalize(batch_tensor, _HF_PLANS.pop, key, None)
     elif hit[0] == stamp:
         return hit[1]
-    _HF_PLANS[key] = (stamp, make_plan())
+    _HF_PLANS[key] = (stamp, flamia_plan(*cu_seqlens(), device=query.device))
     return _HF_PLANS[key][1]
 
 
@@ -2255,33 +2213,27 @@ def _documents_of(position_ids: torch.Tensor, batch: int, seqlen: int) -> torch.
     return torch.cat([cu, cu.new_tensor([batch * seqlen])]).to(torch.int32)
 
 
-def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BLOCK_TOKENS,
-                           **options):
+def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BLOCK_TOKENS, **options):
     """A transformers attention function computing FLAMIA with this recipe and block_tokens
-    (options: safeguard, rotate_qk, backend, as for flamia_attn_varlen_func). Register it:
-        AttentionInterface.register("flamia", flamia_hf_attention_fn("mxfp8", block_tokens=32))
-        AttentionMaskInterface.register("flamia", transformers.masking_utils.flash_attention_mask)
-    The second line matters: without a mask function for the name, transformers DROPS a padding
-    mask before any custom attention sees it; with flash_attention_mask it arrives and is refused.
-    What it does not compute is refused (ValueError naming the argument), never computed wrong.
-    Non-causal modules: full attention per document; GQA is native; scaling is the softmax scale."""
+    (options: safeguard, rotate_qk, backend), registered as README.md shows, WITH transformers'
+    flash_attention_mask for the name: without a mask function transformers DROPS a padding mask
+    before any custom attention sees it (with it, the mask arrives and is refused). What it does not
+    compute is refused (ValueError naming the argument), never computed wrong. Non-causal modules:
+    full attention per document; GQA is native; scaling is the softmax scale."""
     _check_options(recipe, block_tokens, options.get("backend"))
 
-    def flamia_hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                            **kwargs):
+    def flamia_hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         (B, H, Sq, D), Sk = query.shape, key.shape[2]
         if attention_mask is not None and (attention_mask.dim() != 2 or not attention_mask.all()):
             raise ValueError(f"attention_mask: FLAMIA takes no padding or 4-D mask (it applies the "
-                             f"causal, per-document mask itself); got shape "
-                             f"{tuple(attention_mask.shape)}. Pack documents without padding "
-                             f"(DataCollatorWithFlattening) and register transformers' "
-                             f"flash_attention_mask for this attention name")
+                             f"causal, per-document mask itself); got shape {tuple(attention_mask.shape)}. "
+                             f"Pack documents without padding (DataCollatorWithFlattening) and register "
+                             f"transformers' flash_attention_mask for this attention name")
         if dropout > 0:
             raise ValueError(f"dropout: FLAMIA has no attention dropout; expected 0.0, got "
                              f"{dropout} (set config.attention_dropout = 0.0)")
-        for name, v in (("sliding_window", kwargs.get("sliding_window",
-                                                      getattr(module, "sliding_window", None))),
-                        ("softcap", kwargs.get("softcap"))):
+        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        for name, v in (("sliding_window", window), ("softcap", kwargs.get("softcap"))):
             if v is not None:
                 raise ValueError(f"{name}: FLAMIA supports neither sliding windows nor logit "
                                  f"softcapping; expected None, got {v!r}")
@@ -2296,19 +2248,15 @@ def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BL
             dtype = torch.get_autocast_dtype(query.device.type)
             query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, S, heads, D)
-        kw = dict(causal=causal, softmax_scale=scaling, recipe=recipe, block_tokens=block_tokens,
-                  **options)
+        kw = dict(causal=causal, softmax_scale=scaling, recipe=recipe, block_tokens=block_tokens, **options)
         cu_q, pos = kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids")
         if cu_q is None and pos is None:
             return flamia_attn_func(q, k, v, **kw), None
         if cu_q is not None:  # copies: the Plan must not keep the batch's own tensors alive
             cu_k = cu_q if kwargs.get("cu_seq_lens_k") is None else kwargs["cu_seq_lens_k"]
-            plan = _hf_plan(cu_q, query, lambda: flamia_plan(cu_q.to(torch.int32, copy=True),
-                                                      cu_k.to(torch.int32, copy=True),
-                                                      device=query.device))
+            plan = _hf_plan(cu_q, query, lambda: [c.to(torch.int32, copy=True) for c in (cu_q, cu_k)])
         else:
-            plan = _hf_plan(pos, query, lambda: flamia_plan(_documents_of(pos, B, Sq),
-                                                            device=query.device))
+            plan = _hf_plan(pos, query, lambda: [_documents_of(pos, B, Sq)])
         # max_length_q/k are only bounds: the Plan knows the exact longest documents
         o = flamia_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
                                     plan.cu_seqlens_q, plan.cu_seqlens_k, None, None, plan=plan, **kw)
@@ -2333,28 +2281,23 @@ def audit_causality(attn_fn, *, heads=2, kv_heads=None, head_dim=64, doc_lens=AU
                     positions=None, tensors=("q", "k", "v"), outlier=1e3, device=None,
                     dtype=torch.bfloat16, seed=0, gradients=False):
     """Audit `attn_fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)` (flash-attn
-    varlen signature, causal self-attention; may return out or (out, lse)).
-
-    positions: {doc index: [positions]} to perturb (default: a few per document, see below).
-    Returns a list of findings, one per (doc, position, tensor, kind) that leaked, each a dict with
-    kind "future" (an earlier row of the same document changed) or "document" (a row of another
-    document changed), the number of changed rows and the largest absolute change. [] means safe.
-    gradients: also back-propagate a fixed dO; a token's row then holds dQ too (a function of the
-    tokens up to it), and for other documents dK and dV (an earlier key's dK, dV legitimately
-    depends on later queries).
-    """
+    varlen signature, causal self-attention; may return out or (out, lse)). positions: {doc index:
+    [positions]} to perturb (default: a few per document). Returns the findings, [] if safe: one
+    dict per (doc, position, tensor, kind) that leaked, kind "future" (an earlier row of the same
+    document changed) or "document" (a row of another document), with the number of changed rows
+    and the largest absolute change. gradients: also back-propagate a fixed dO; a token's row then
+    holds dQ too (a function of the tokens up to it), and for other documents dK and dV (an earlier
+    key's dK, dV legitimately depends on later queries)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     kv_heads = kv_heads or heads
     gen = torch.Generator().manual_seed(seed)
     offsets = [0] + torch.cumsum(torch.tensor(doc_lens), 0).tolist()
     T = offsets[-1]
     cu = torch.tensor(offsets, dtype=torch.int32, device=device)
-    base = {n: torch.randn(T, h, head_dim, generator=gen).to(dtype).to(device)
-            for n, h in (("q", heads), ("k", kv_heads), ("v", kv_heads))}
+    randn = lambda h, g: torch.randn(T, h, head_dim, generator=g).to(dtype).to(device)
+    base = {n: randn(h, gen) for n, h in (("q", heads), ("k", kv_heads), ("v", kv_heads))}
+    d_out = randn(heads, torch.Generator().manual_seed(seed + 1))
     max_len = max(doc_lens)
-
-    d_out = torch.randn(T, heads, head_dim, generator=torch.Generator().manual_seed(seed + 1))
-    d_out = d_out.to(dtype).to(device)
 
     def run(x):  # a row per token: O [, LSE] [, dQ, dK, dV]
         if gradients:
@@ -2378,8 +2321,7 @@ def audit_causality(attn_fn, *, heads=2, kv_heads=None, head_dim=64, doc_lens=AU
         for p in plist:
             t = offsets[d] + p
             for name in tensors:
-                x = dict(base)
-                x[name] = base[name].clone()
+                x = dict(base, **{name: base[name].clone()})
                 sign = torch.sign(torch.randn(x[name][t].shape, generator=gen))
                 x[name][t] = (outlier * sign).to(dtype).to(device)
                 out = run(x)
@@ -2403,14 +2345,8 @@ def varlen_adapter(dense_fn):
     def fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         bounds = cu_seqlens_q.tolist()
         offs = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
-        S = max(b - a for a, b in offs)
-
-        def batch(x):  # (T, H, D) -> (B, S, H, D)
-            out = x.new_zeros(len(offs), S, *x.shape[1:])
-            for i, (a, b) in enumerate(offs):
-                out[i, :b - a] = x[a:b]
-            return out
-        o = dense_fn(batch(q), batch(k), batch(v))
+        batch = lambda x: torch.nn.utils.rnn.pad_sequence([x[a:b] for a, b in offs], batch_first=True)
+        o = dense_fn(batch(q), batch(k), batch(v))  # (T, H, D) -> (B, S, H, D), zeros past the ends
         return torch.cat([o[i, :b - a] for i, (a, b) in enumerate(offs)])
     return fn
 
@@ -2445,11 +2381,9 @@ def _fix_interpreter_numerics():
     B = interp.InterpreterBuilder
     if getattr(interp, "_numerics_patched", False):
         return
-    if not all(hasattr(o, a) for o, a in ((interp, "_convert_float"), (B, "create_dot"),
-                                          (B, "cast_impl"))):
-        raise RuntimeError(f"triton {triton.__version__}: the interpreter's internals changed, so "
-                           "FLAMIA cannot fix its numerics; unset TRITON_INTERPRET or use "
-                           "triton 3.6-3.9")
+    if not all(hasattr(o, a) for o, a in ((interp, "_convert_float"), (B, "create_dot"), (B, "cast_impl"))):
+        raise RuntimeError(f"triton {triton.__version__}: the interpreter's internals changed, so FLAMIA "
+                           "cannot fix its numerics; unset TRITON_INTERPRET or use triton 3.6-3.9")
     # The interpreter stores bf16 / fp8 tensors as raw uint16 / uint8 bit patterns in numpy.
     torch_dt = {tl.float64: torch.float64, tl.float32: torch.float32, tl.float16: torch.float16,
                 tl.bfloat16: torch.bfloat16, tl.float8e4nv: torch.float8_e4m3fn,
@@ -2470,8 +2404,7 @@ def _fix_interpreter_numerics():
         return out.view(f"uint{n_out}")  # the original's contract: raw bits
 
     def create_dot(self, a, b, d, *args):  # bug (1): upcast bf16 to fp32 (exact) first
-        a, b = (orig_cast(self, x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x
-                for x in (a, b))
+        a, b = (orig_cast(self, x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x for x in (a, b))
         return orig_dot(self, a, b, d, *args)
 
     def cast_impl(self, src, dst_type):  # bug (3): go through fp32 and the fixed rounding
