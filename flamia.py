@@ -2383,7 +2383,7 @@ def _fix_interpreter_numerics():
         return
     if not all(hasattr(o, a) for o, a in ((interp, "_convert_float"), (B, "create_dot"), (B, "cast_impl"))):
         raise RuntimeError(f"triton {triton.__version__}: the interpreter's internals changed, so FLAMIA "
-                           "cannot fix its numerics; unset TRITON_INTERPRET or use triton 3.6-3.9")
+                           "cannot fix its numerics; unset TRITON_INTERPRET or use triton 3.8-3.9")
     # The interpreter stores bf16 / fp8 tensors as raw uint16 / uint8 bit patterns in numpy.
     torch_dt = {tl.float64: torch.float64, tl.float32: torch.float32, tl.float16: torch.float16,
                 tl.bfloat16: torch.bfloat16, tl.float8e4nv: torch.float8_e4m3fn,
