@@ -655,25 +655,18 @@ def _quantize_kernel(
                            H, D, BLOCK_T, BLOCK_TOKENS, WRITE_T, WRITE_TOK, PTX_CVT)
 
 
-def _quantizer_input(x, plan: Plan, side: str) -> torch.Tensor:
+def _quantizer_input(x, plan: Plan, side: str, name: str = "x") -> torch.Tensor:
     """x, checked against the plan's `side` documents, with a unit inner stride."""
-    _check_tensor(x, "x")
+    _check_tensor(x, name)
     if side not in ("q", "k"):
         raise ValueError(f"side must be 'q' or 'k', got {side!r}")
     total = plan.total_q if side == "q" else plan.total_k
     if x.shape[0] != total:
-        raise ValueError(f"x has {x.shape[0]} tokens but the plan's cu_seqlens_{side} ends at "
+        raise ValueError(f"{name} has {x.shape[0]} tokens but the plan's cu_seqlens_{side} ends at "
                          f"{total}")
     if x.device != plan.device:
-        raise ValueError(f"x is on {x.device} but the plan is on {plan.device}")
+        raise ValueError(f"{name} is on {x.device} but the plan is on {plan.device}")
     return x if x.stride(-1) == 1 else x.contiguous()
-
-
-class MXFP8Launch(NamedTuple):
-    """What one quantize_mxfp8_launch wrote: x's MXFP8, and second's and the queries' if asked."""
-    x: MXFP8
-    second: Optional[MXFP8]
-    queries: Optional[MXFP8]
 
 
 def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str = "q",
@@ -682,63 +675,57 @@ def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str
     (row-major, or token-transposed with transposed=True: how the forward reads V), its exponents,
     and with per_token_copy=True the per-token quantized copy in the same layout (.tok, for the
     causal safeguard). `side`: whose documents x follows in `plan` ("q" or "k")."""
-    return quantize_mxfp8_launch(x, plan, block_tokens, side, transposed, per_token_copy).x
+    return quantize_mxfp8_launch(x, plan, block_tokens, side, transposed, per_token_copy)[0]
 
 
 def quantize_mxfp8_launch(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str = "q",
                           transposed: bool = False, per_token_copy: bool = False, second=None,
-                          queries=None) -> MXFP8Launch:
+                          queries=None) -> tuple:
     """quantize_mxfp8, with more tensors in the same launch (the forward quantizes in one):
     second=(x2, transposed2), a tensor of x's shape, documents and block_tokens (K and V);
-    queries=q, Q (T, Hq, D) of the same documents (Hq a multiple of H), per token, row-major."""
+    queries=q, Q (T, Hq, D) of the same documents (Hq a multiple of H), per token, row-major.
+    Returns the MXFP8 of x, of second and of the queries (None where not asked)."""
     _check_block_tokens(block_tokens)
     x = _quantizer_input(x, plan, side)
     T, H, D = x.shape
     t_pad = plan.padded_q if side == "q" else plan.padded_k
-    f8, dev = torch.float8_e4m3fn, x.device
 
-    def alloc(transposed, heads=H):
-        return MXFP8(None if transposed else torch.empty(T, heads, D, dtype=f8, device=dev),
-                     torch.empty(heads, t_pad, dtype=torch.uint8, device=dev),
-                     torch.empty(heads, D, t_pad, dtype=f8, device=dev) if transposed else None)
+    def alloc(x, transposed, tok):  # x's MXFP8 (with its per-token copy if tok), to be written
+        new = lambda: MXFP8(None if transposed else x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+                            x.new_empty(x.shape[1], t_pad, dtype=torch.uint8),
+                            x.new_empty(x.shape[1], D, t_pad, dtype=torch.float8_e4m3fn)
+                            if transposed else None)
+        return new()._replace(tok=new()) if tok else new()
 
-    def outputs(x, transposed):  # the results for x and the kernel's arguments (Y .. stride_xh)
-        out = alloc(transposed)
-        tok = alloc(transposed) if per_token_copy else out  # where the per-token copy goes
-        y = lambda m: m.data_t if transposed else m.data
-        return (out, tok), (y(out), out.exp, y(out), y(tok), tok.exp, y(tok), *x.stride()[:2])
-    (out, tok), args = outputs(x, transposed)
-    x2, transposed2, args2 = x, transposed, args
+    def outputs(m):  # the kernel's Y, E, YT, Y_TOK, E_TOK, YT_TOK for m (Y and YT: the same data)
+        tok = m.tok or m  # without per-token copies: m again, never written
+        y = lambda m: m.data_t if m.data is None else m.data
+        return y(m), m.exp, y(m), y(tok), tok.exp, y(tok)
+    out = alloc(x, transposed, per_token_copy)
+    x2, out2, xq, out_q = x, out, x, out  # what the kernel reads and writes only if asked
     if second is not None:
-        x2, transposed2 = second
-        _check_tensor(x2, "second")
+        x2 = _quantizer_input(second[0], plan, side, "second")
         if x2.shape != x.shape:
             raise ValueError(f"second has shape {tuple(x2.shape)}, expected x's {tuple(x.shape)}")
-        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-        (out2, tok2), args2 = outputs(x2, transposed2)
-    xq, HQ, out_q = x, H, out
+        out2 = alloc(x2, second[1], per_token_copy)
     if queries is not None:
-        _check_tensor(queries, "queries")
         if not plan.same_documents:
             raise ValueError("queries= needs a plan whose cu_seqlens_q and cu_seqlens_k describe "
                              "the same documents")
-        if (queries.shape[0] != T or queries.shape[2] != D or queries.shape[1] % H != 0):
-            raise ValueError(f"queries has shape {tuple(queries.shape)}, expected ({T}, a "
-                             f"multiple of {H}, {D})")
-        xq = queries if queries.stride(-1) == 1 else queries.contiguous()
-        HQ = xq.shape[1]
-        out_q = alloc(False, HQ)
+        xq = _quantizer_input(queries, plan, side, "queries")
+        if xq.shape[2] != D or xq.shape[1] % H != 0:
+            raise ValueError(f"queries has shape {tuple(xq.shape)}, expected ({T}, a multiple of "
+                             f"{H}, {D})")
+        out_q = alloc(xq, False, False)
     tiles = plan.tiles(QUANT_TILE, side, causal=False, skip_masked=False)
     if tiles.shape[0] > 0:
-        _quantize_kernel[(tiles.shape[0], HQ, 1 + (second is not None) + (queries is not None))](
-            x, tiles, *args, t_pad, x2, *args2, xq, out_q.data, out_q.exp, *xq.stride()[:2],
-            H=H, HQ=HQ, D=D, BLOCK_T=QUANT_TILE, BLOCK_TOKENS=block_tokens, WRITE_T=transposed,
-            WRITE_TOK=per_token_copy, PTX_CVT=not INTERPRETED, SECOND=second is not None,
-            WRITE_T2=transposed2, QUERIES=queries is not None,
-            num_warps=8)  # 4 warps spill with the per-token copy
-    with_tok = lambda m, t: m._replace(tok=t) if per_token_copy else m
-    return MXFP8Launch(with_tok(out, tok), with_tok(out2, tok2) if second is not None else None,
-                       out_q if queries is not None else None)
+        _quantize_kernel[(tiles.shape[0], xq.shape[1], 1 + (second is not None) + (queries is not None))](
+            x, tiles, *outputs(out), *x.stride()[:2], t_pad, x2, *outputs(out2), *x2.stride()[:2],
+            xq, out_q.data, out_q.exp, *xq.stride()[:2], H=H, HQ=xq.shape[1], D=D, BLOCK_T=QUANT_TILE,
+            BLOCK_TOKENS=block_tokens, WRITE_T=transposed, WRITE_TOK=per_token_copy,
+            PTX_CVT=not INTERPRETED, SECOND=second is not None, WRITE_T2=out2.data is None,
+            QUERIES=queries is not None, num_warps=8)  # 4 warps spill with the per-token copy
+    return out, out2 if second is not None else None, out_q if queries is not None else None
 
 
 @triton.jit
