@@ -276,9 +276,8 @@ class Plan:
         _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q")
         _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k")
         if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
-                             f"documents, got {cu_seqlens_q.numel() - 1} and "
-                             f"{cu_seqlens_k.numel() - 1}")
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of documents, "
+                             f"got {cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}")
         self.offsets_q = cu_seqlens_q.tolist()  # the one host sync of a batch
         same = cu_seqlens_k is cu_seqlens_q
         self.offsets_k = self.offsets_q if same else cu_seqlens_k.tolist()
@@ -313,11 +312,8 @@ class Plan:
         self._tables = {}
         # The cu_seqlens tensors known to hold this plan's offsets (check_offsets): those it was built
         # from and its device copies, as (weak reference, version) by (id, side).
-        self._known = {}
-        for side, tensors in (("q", (cu_seqlens_q, self.cu_seqlens_q)),
-                              ("k", (cu_seqlens_k, self.cu_seqlens_k))):
-            for t in tensors:
-                self._known[id(t), side] = (weakref.ref(t), t._version)
+        self._known = {(id(t), side): (weakref.ref(t), t._version) for side, t in
+                       zip("qqkk", (cu_seqlens_q, self.cu_seqlens_q, cu_seqlens_k, self.cu_seqlens_k))}
         _PLANS[id(self.cu_seqlens_q)] = self  # every plan is found by the custom ops (section 6)
         self.version = self.cu_seqlens_q._version  # an in-place change of cu_seqlens invalidates it
 
@@ -350,10 +346,9 @@ class Plan:
         key = (block, side, causal, skip_masked)
         if key not in self._tables:
             q_side = side == "q"
-            own, other, own_pad, other_pad = self.offsets_q, self.offsets_k, self.pad_q, self.pad_k
-            if not q_side:
-                own, other, own_pad, other_pad = other, own, other_pad, own_pad
-            rows, costs = [], []
+            q, k = (self.offsets_q, self.pad_q), (self.offsets_k, self.pad_k)
+            (own, own_pad), (other, other_pad) = (q, k) if q_side else (k, q)
+            rows = []  # (-cost, table row)
             for d in range(len(own) - 1):
                 o0, o1, t0, t1 = own[d], own[d + 1], other[d], other[d + 1]
                 lq, lk = (o1 - o0, t1 - t0) if q_side else (t1 - t0, o1 - o0)
@@ -366,19 +361,16 @@ class Plan:
                         cost = min(lk, max(0, e - o0 + shift))
                     else:  # queries that see the tile's first key (query pos >= key pos - shift)
                         cost = min(lq, max(0, lq - max(0, s - o0 - shift)))
-                    if cost == 0 and skip_masked:
-                        continue  # fully masked tile: never launched
-                    rows.append((s, e, o0, o1, t0, t1, other_pad[d], own_pad[d]))
-                    costs.append(cost)
-            order = sorted(range(len(rows)), key=lambda i: -costs[i])  # LPT: heaviest first
-            table = torch.tensor([rows[i] for i in order], dtype=torch.int32).view(-1, 8)
+                    if cost > 0 or not skip_masked:  # a fully masked tile is never launched
+                        rows.append((-cost, (s, e, o0, o1, t0, t1, other_pad[d], own_pad[d])))
+            rows.sort(key=lambda r: r[0])  # LPT: heaviest first (a stable sort: ties keep their order)
+            table = torch.tensor([r for _, r in rows], dtype=torch.int32).view(-1, 8)
             self._tables[key] = table.to(self.device)
         return self._tables[key]
 
 
 def flamia_plan(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor = None, device=None) -> Plan:
-    """Build the Plan of a batch (once; pass it as plan= to every layer). With host cu_seqlens and
-    device="cuda" it costs no GPU sync."""
+    """The Plan of a batch: build it once and pass it as plan= to every layer."""
     return Plan(cu_seqlens_q, cu_seqlens_k, device=device)
 
 
