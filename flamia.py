@@ -417,8 +417,7 @@ def token_block_start(cu_seqlens: torch.Tensor, total: int, block_tokens: int) -
 # The same quantized tensor serves both matrix orientations: along the head dim its scale is
 # constant (a rank-1 post-scale of Q K^T), along tokens it changes only every B_t tokens (B_t = 32
 # is exactly an MX block along the contraction of P V). Hopper's fp8 wgmma wants its second
-# operand K-major: the Triton quantizer can write a token-transposed copy (H, D, T_padded, the
-# padded token layout, zero-padded) in the same pass.
+# operand K-major: the Triton quantizer can write a token-transposed copy in the same pass.
 class MXFP8(NamedTuple):
     """A quantized (T, H, D) tensor: float8_e4m3fn data (T, H, D) or data_t (H, D, T_padded:
     token-transposed), the other None, and exp (H, T_padded) uint8 E8M0, in the padded token layout
@@ -443,9 +442,6 @@ class FP4(NamedTuple):
     packed: torch.Tensor
     block_scale: torch.Tensor
     s2: torch.Tensor
-
-    def dequantize(self) -> torch.Tensor:
-        return dequantize_fp4(self.packed, self.block_scale, self.s2.t())
 
 
 def quantize_mxfp8_reference(x: torch.Tensor, cu_seqlens: torch.Tensor, block_tokens: int = 1):
@@ -508,8 +504,7 @@ def _e4m3_code(v):
     arithmetic on the fp32 bits: the interpreter's twin of _e4m3_word's PTX."""
     bits = v.to(tl.int32, bitcast=True)
     a = tl.minimum(bits & 0x7FFFFFFF, 0x43E00000)  # |v|, saturated at 448 (E4M3's largest normal)
-    # normal range (|v| >= 2^-6): keep the exponent and 3 mantissa bits, RNE; a carry moves into
-    # the exponent
+    # normal range (|v| >= 2^-6): the exponent and 3 mantissa bits, RNE (a carry enters the exponent)
     normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - ((127 - 7) << 3)
     # subnormal range: |v| in multiples of 2^-9, RNE: the significand shifted right by 141 - exp
     shift = tl.minimum(tl.maximum(141 - (a >> 23), 1), 31)
