@@ -1129,8 +1129,7 @@ def _key_scales(EK, EV, n0, k_len, v_len, BLOCK_N: tl.constexpr, K_FORMAT: tl.co
                 ONE_SCALE: tl.constexpr, WORDS: tl.constexpr):
     """The scales of the key tile starting at n0: K's (E8M0 byte as int32, or FP4's FP32 second
     level) and V's unbiased exponent (-126 past the document: it never raises ref_i). ONE_SCALE:
-    the tile lies inside one scale block (B_t a multiple of the tile width): scalars. E8M0 rows
-    start at the document's 16-aligned column and end at its padded end v_len (_load_e8m0)."""
+    the tile lies inside one scale block (B_t a multiple of the tile width): scalars."""
     if K_FORMAT == "bf16":
         ek = tl.zeros((BLOCK_N,), tl.int32)
         ev = ek
@@ -1472,17 +1471,10 @@ def _attn_fwd_blackwell(Q, EQ, K, KB, EK, V, EV, KS, EKS, VS, EVS, O, LSE, TILES
 
 
 def _decode_fp4(ops, dtype: torch.dtype) -> torch.Tensor:
-    """FP4 K as code x block scale in `dtype` (exact: at most 6 significant bits), without the
-    per-token second level, which the kernels apply as an fp32 factor. fp16 is clamped to its range
-    (MXFP4's rounding can land just past fp16's maximum)."""
+    """FP4 K as code x block scale in `dtype` (exact: 6 significant bits), without the second level
+    s2 (the kernels' fp32 factor); fp16 clamped (MXFP4's rounding can pass fp16's maximum)."""
     x = dequantize_fp4(ops.k, ops.k_block)
     return (x.clamp(-65504.0, 65504.0) if dtype == torch.float16 else x).to(dtype)
-
-
-def _descriptor_scratch(size: int, alignment: int, stream):
-    """triton.set_allocator's allocator: device memory for tl.make_tensor_descriptor (on the
-    current device and stream, where Triton launches)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_scale, block_tokens):
@@ -1509,21 +1501,17 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
         return flamia_hopper.attn_fwd(ops.q, ops.q_exp, ops.k, ops.k_exp, ops.v_t, ops.v_exp, o, lse,
                                       tiles, per_token=per_token, v_len=plan.pad_k[-1], **kw)
     BLOCK_M, BLOCK_N, MASKED_N, warps, stages = var.fwd
-    if not var.recipe.quantized:
-        strides_v = (D, 1, HK * D)  # (T, H, D)
-        unused = torch.empty(0, device=q.device)
-        operands = (q, unused, k, unused, unused, v, unused, k, unused, v, unused)
-    else:
-        k_data = _decode_fp4(ops, torch.bfloat16) if var.k_format == "fp4_decoded" else ops.k
-        # Per-token copies where the safeguard is on; FP4 K is per token, its own copy.
-        k_tok = ((ops.k_tok, ops.k_tok_exp) if var.copies and not var.recipe.k_fp4
-                 else (k_data, ops.k_exp))
-        v_tok = (ops.v_tok_t, ops.v_tok_exp) if var.copies else (ops.v_t, ops.v_exp)
-        operands = (ops.q, ops.q_exp, k_data, ops.k_block, ops.k_exp, ops.v_t, ops.v_exp,
-                    *k_tok, *v_tok)
-        strides_v = (D * plan.padded_k, plan.padded_k, 1)  # (H, D, T_pad) token-transposed
-    if var.tma and q.is_cuda:  # the kernel writes its TMA descriptors to global scratch
-        triton.set_allocator(_descriptor_scratch)
+    strides_v = (D * plan.padded_k, plan.padded_k, 1)  # (H, D, T_pad) token-transposed
+    if not var.recipe.quantized:  # bf16 in the same slots (the others unused), V as it is
+        ops, strides_v = ops._replace(q=q, k=k, v_t=v), (D, 1, HK * D)  # (T, H, D)
+    k_data = _decode_fp4(ops, torch.bfloat16) if var.k_format == "fp4_decoded" else ops.k
+    # Per-token copies where the safeguard is on; FP4 K is per token, its own copy.
+    k_tok = (ops.k_tok, ops.k_tok_exp) if var.copies and not var.recipe.k_fp4 else (k_data, ops.k_exp)
+    v_tok = (ops.v_tok_t, ops.v_tok_exp) if var.copies else (ops.v_t, ops.v_exp)
+    operands = (ops.q, ops.q_exp, k_data, ops.k_block, ops.k_exp, ops.v_t, ops.v_exp, *k_tok, *v_tok)
+    if var.tma and q.is_cuda:  # the kernel writes its TMA descriptors to global scratch (on the
+        # current device and stream, where Triton launches)
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     if tiles.shape[0] > 0:
         var.kernel[(tiles.shape[0], H)](
             *operands, o, lse, tiles, *strides_v, softmax_scale * 1.4426950408889634,  # log2(e)
