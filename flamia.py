@@ -276,9 +276,8 @@ class Plan:
         _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q")
         _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k")
         if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
-                             f"documents, got {cu_seqlens_q.numel() - 1} and "
-                             f"{cu_seqlens_k.numel() - 1}")
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of documents, "
+                             f"got {cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}")
         self.offsets_q = cu_seqlens_q.tolist()  # the one host sync of a batch
         same = cu_seqlens_k is cu_seqlens_q
         self.offsets_k = self.offsets_q if same else cu_seqlens_k.tolist()
@@ -313,11 +312,8 @@ class Plan:
         self._tables = {}
         # The cu_seqlens tensors known to hold this plan's offsets (check_offsets): those it was built
         # from and its device copies, as (weak reference, version) by (id, side).
-        self._known = {}
-        for side, tensors in (("q", (cu_seqlens_q, self.cu_seqlens_q)),
-                              ("k", (cu_seqlens_k, self.cu_seqlens_k))):
-            for t in tensors:
-                self._known[id(t), side] = (weakref.ref(t), t._version)
+        self._known = {(id(t), side): (weakref.ref(t), t._version) for side, t in
+                       zip("qqkk", (cu_seqlens_q, self.cu_seqlens_q, cu_seqlens_k, self.cu_seqlens_k))}
         _PLANS[id(self.cu_seqlens_q)] = self  # every plan is found by the custom ops (section 6)
         self.version = self.cu_seqlens_q._version  # an in-place change of cu_seqlens invalidates it
 
@@ -350,10 +346,9 @@ class Plan:
         key = (block, side, causal, skip_masked)
         if key not in self._tables:
             q_side = side == "q"
-            own, other, own_pad, other_pad = self.offsets_q, self.offsets_k, self.pad_q, self.pad_k
-            if not q_side:
-                own, other, own_pad, other_pad = other, own, other_pad, own_pad
-            rows, costs = [], []
+            q, k = (self.offsets_q, self.pad_q), (self.offsets_k, self.pad_k)
+            (own, own_pad), (other, other_pad) = (q, k) if q_side else (k, q)
+            rows = []  # (-cost, table row)
             for d in range(len(own) - 1):
                 o0, o1, t0, t1 = own[d], own[d + 1], other[d], other[d + 1]
                 lq, lk = (o1 - o0, t1 - t0) if q_side else (t1 - t0, o1 - o0)
@@ -366,19 +361,16 @@ class Plan:
                         cost = min(lk, max(0, e - o0 + shift))
                     else:  # queries that see the tile's first key (query pos >= key pos - shift)
                         cost = min(lq, max(0, lq - max(0, s - o0 - shift)))
-                    if cost == 0 and skip_masked:
-                        continue  # fully masked tile: never launched
-                    rows.append((s, e, o0, o1, t0, t1, other_pad[d], own_pad[d]))
-                    costs.append(cost)
-            order = sorted(range(len(rows)), key=lambda i: -costs[i])  # LPT: heaviest first
-            table = torch.tensor([rows[i] for i in order], dtype=torch.int32).view(-1, 8)
+                    if cost > 0 or not skip_masked:  # a fully masked tile is never launched
+                        rows.append((-cost, (s, e, o0, o1, t0, t1, other_pad[d], own_pad[d])))
+            rows.sort(key=lambda r: r[0])  # LPT: heaviest first (a stable sort: ties keep their order)
+            table = torch.tensor([r for _, r in rows], dtype=torch.int32).view(-1, 8)
             self._tables[key] = table.to(self.device)
         return self._tables[key]
 
 
 def flamia_plan(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor = None, device=None) -> Plan:
-    """Build the Plan of a batch (once; pass it as plan= to every layer). With host cu_seqlens and
-    device="cuda" it costs no GPU sync."""
+    """The Plan of a batch: build it once and pass it as plan= to every layer."""
     return Plan(cu_seqlens_q, cu_seqlens_k, device=device)
 
 
@@ -425,8 +417,7 @@ def token_block_start(cu_seqlens: torch.Tensor, total: int, block_tokens: int) -
 # The same quantized tensor serves both matrix orientations: along the head dim its scale is
 # constant (a rank-1 post-scale of Q K^T), along tokens it changes only every B_t tokens (B_t = 32
 # is exactly an MX block along the contraction of P V). Hopper's fp8 wgmma wants its second
-# operand K-major: the Triton quantizer can write a token-transposed copy (H, D, T_padded, the
-# padded token layout, zero-padded) in the same pass.
+# operand K-major: the Triton quantizer can write a token-transposed copy in the same pass.
 class MXFP8(NamedTuple):
     """A quantized (T, H, D) tensor: float8_e4m3fn data (T, H, D) or data_t (H, D, T_padded:
     token-transposed), the other None, and exp (H, T_padded) uint8 E8M0, in the padded token layout
@@ -451,9 +442,6 @@ class FP4(NamedTuple):
     packed: torch.Tensor
     block_scale: torch.Tensor
     s2: torch.Tensor
-
-    def dequantize(self) -> torch.Tensor:
-        return dequantize_fp4(self.packed, self.block_scale, self.s2.t())
 
 
 def quantize_mxfp8_reference(x: torch.Tensor, cu_seqlens: torch.Tensor, block_tokens: int = 1):
@@ -516,8 +504,7 @@ def _e4m3_code(v):
     arithmetic on the fp32 bits: the interpreter's twin of _e4m3_word's PTX."""
     bits = v.to(tl.int32, bitcast=True)
     a = tl.minimum(bits & 0x7FFFFFFF, 0x43E00000)  # |v|, saturated at 448 (E4M3's largest normal)
-    # normal range (|v| >= 2^-6): keep the exponent and 3 mantissa bits, RNE; a carry moves into
-    # the exponent
+    # normal range (|v| >= 2^-6): the exponent and 3 mantissa bits, RNE (a carry enters the exponent)
     normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - ((127 - 7) << 3)
     # subnormal range: |v| in multiples of 2^-9, RNE: the significand shifted right by 141 - exp
     shift = tl.minimum(tl.maximum(141 - (a >> 23), 1), 31)
@@ -655,25 +642,18 @@ def _quantize_kernel(
                            H, D, BLOCK_T, BLOCK_TOKENS, WRITE_T, WRITE_TOK, PTX_CVT)
 
 
-def _quantizer_input(x, plan: Plan, side: str) -> torch.Tensor:
+def _quantizer_input(x, plan: Plan, side: str, name: str = "x") -> torch.Tensor:
     """x, checked against the plan's `side` documents, with a unit inner stride."""
-    _check_tensor(x, "x")
+    _check_tensor(x, name)
     if side not in ("q", "k"):
         raise ValueError(f"side must be 'q' or 'k', got {side!r}")
     total = plan.total_q if side == "q" else plan.total_k
     if x.shape[0] != total:
-        raise ValueError(f"x has {x.shape[0]} tokens but the plan's cu_seqlens_{side} ends at "
+        raise ValueError(f"{name} has {x.shape[0]} tokens but the plan's cu_seqlens_{side} ends at "
                          f"{total}")
     if x.device != plan.device:
-        raise ValueError(f"x is on {x.device} but the plan is on {plan.device}")
+        raise ValueError(f"{name} is on {x.device} but the plan is on {plan.device}")
     return x if x.stride(-1) == 1 else x.contiguous()
-
-
-class MXFP8Launch(NamedTuple):
-    """What one quantize_mxfp8_launch wrote: x's MXFP8, and second's and the queries' if asked."""
-    x: MXFP8
-    second: Optional[MXFP8]
-    queries: Optional[MXFP8]
 
 
 def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str = "q",
@@ -682,63 +662,57 @@ def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str
     (row-major, or token-transposed with transposed=True: how the forward reads V), its exponents,
     and with per_token_copy=True the per-token quantized copy in the same layout (.tok, for the
     causal safeguard). `side`: whose documents x follows in `plan` ("q" or "k")."""
-    return quantize_mxfp8_launch(x, plan, block_tokens, side, transposed, per_token_copy).x
+    return quantize_mxfp8_launch(x, plan, block_tokens, side, transposed, per_token_copy)[0]
 
 
 def quantize_mxfp8_launch(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str = "q",
                           transposed: bool = False, per_token_copy: bool = False, second=None,
-                          queries=None) -> MXFP8Launch:
+                          queries=None) -> tuple:
     """quantize_mxfp8, with more tensors in the same launch (the forward quantizes in one):
     second=(x2, transposed2), a tensor of x's shape, documents and block_tokens (K and V);
-    queries=q, Q (T, Hq, D) of the same documents (Hq a multiple of H), per token, row-major."""
+    queries=q, Q (T, Hq, D) of the same documents (Hq a multiple of H), per token, row-major.
+    Returns the MXFP8 of x, of second and of the queries (None where not asked)."""
     _check_block_tokens(block_tokens)
     x = _quantizer_input(x, plan, side)
     T, H, D = x.shape
     t_pad = plan.padded_q if side == "q" else plan.padded_k
-    f8, dev = torch.float8_e4m3fn, x.device
 
-    def alloc(transposed, heads=H):
-        return MXFP8(None if transposed else torch.empty(T, heads, D, dtype=f8, device=dev),
-                     torch.empty(heads, t_pad, dtype=torch.uint8, device=dev),
-                     torch.empty(heads, D, t_pad, dtype=f8, device=dev) if transposed else None)
+    def alloc(x, transposed, tok):  # x's MXFP8 (with its per-token copy if tok), to be written
+        new = lambda: MXFP8(None if transposed else x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+                            x.new_empty(x.shape[1], t_pad, dtype=torch.uint8),
+                            x.new_empty(x.shape[1], D, t_pad, dtype=torch.float8_e4m3fn)
+                            if transposed else None)
+        return new()._replace(tok=new()) if tok else new()
 
-    def outputs(x, transposed):  # the results for x and the kernel's arguments (Y .. stride_xh)
-        out = alloc(transposed)
-        tok = alloc(transposed) if per_token_copy else out  # where the per-token copy goes
-        y = lambda m: m.data_t if transposed else m.data
-        return (out, tok), (y(out), out.exp, y(out), y(tok), tok.exp, y(tok), *x.stride()[:2])
-    (out, tok), args = outputs(x, transposed)
-    x2, transposed2, args2 = x, transposed, args
+    def outputs(m):  # the kernel's Y, E, YT, Y_TOK, E_TOK, YT_TOK for m (Y and YT: the same data)
+        tok = m.tok or m  # without per-token copies: m again, never written
+        y = lambda m: m.data_t if m.data is None else m.data
+        return y(m), m.exp, y(m), y(tok), tok.exp, y(tok)
+    out = alloc(x, transposed, per_token_copy)
+    x2, out2, xq, out_q = x, out, x, out  # what the kernel reads and writes only if asked
     if second is not None:
-        x2, transposed2 = second
-        _check_tensor(x2, "second")
+        x2 = _quantizer_input(second[0], plan, side, "second")
         if x2.shape != x.shape:
             raise ValueError(f"second has shape {tuple(x2.shape)}, expected x's {tuple(x.shape)}")
-        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-        (out2, tok2), args2 = outputs(x2, transposed2)
-    xq, HQ, out_q = x, H, out
+        out2 = alloc(x2, second[1], per_token_copy)
     if queries is not None:
-        _check_tensor(queries, "queries")
         if not plan.same_documents:
             raise ValueError("queries= needs a plan whose cu_seqlens_q and cu_seqlens_k describe "
                              "the same documents")
-        if (queries.shape[0] != T or queries.shape[2] != D or queries.shape[1] % H != 0):
-            raise ValueError(f"queries has shape {tuple(queries.shape)}, expected ({T}, a "
-                             f"multiple of {H}, {D})")
-        xq = queries if queries.stride(-1) == 1 else queries.contiguous()
-        HQ = xq.shape[1]
-        out_q = alloc(False, HQ)
+        xq = _quantizer_input(queries, plan, side, "queries")
+        if xq.shape[2] != D or xq.shape[1] % H != 0:
+            raise ValueError(f"queries has shape {tuple(xq.shape)}, expected ({T}, a multiple of "
+                             f"{H}, {D})")
+        out_q = alloc(xq, False, False)
     tiles = plan.tiles(QUANT_TILE, side, causal=False, skip_masked=False)
     if tiles.shape[0] > 0:
-        _quantize_kernel[(tiles.shape[0], HQ, 1 + (second is not None) + (queries is not None))](
-            x, tiles, *args, t_pad, x2, *args2, xq, out_q.data, out_q.exp, *xq.stride()[:2],
-            H=H, HQ=HQ, D=D, BLOCK_T=QUANT_TILE, BLOCK_TOKENS=block_tokens, WRITE_T=transposed,
-            WRITE_TOK=per_token_copy, PTX_CVT=not INTERPRETED, SECOND=second is not None,
-            WRITE_T2=transposed2, QUERIES=queries is not None,
-            num_warps=8)  # 4 warps spill with the per-token copy
-    with_tok = lambda m, t: m._replace(tok=t) if per_token_copy else m
-    return MXFP8Launch(with_tok(out, tok), with_tok(out2, tok2) if second is not None else None,
-                       out_q if queries is not None else None)
+        _quantize_kernel[(tiles.shape[0], xq.shape[1], 1 + (second is not None) + (queries is not None))](
+            x, tiles, *outputs(out), *x.stride()[:2], t_pad, x2, *outputs(out2), *x2.stride()[:2],
+            xq, out_q.data, out_q.exp, *xq.stride()[:2], H=H, HQ=xq.shape[1], D=D, BLOCK_T=QUANT_TILE,
+            BLOCK_TOKENS=block_tokens, WRITE_T=transposed, WRITE_TOK=per_token_copy,
+            PTX_CVT=not INTERPRETED, SECOND=second is not None, WRITE_T2=out2.data is None,
+            QUERIES=queries is not None, num_warps=8)  # 4 warps spill with the per-token copy
+    return out, out2 if second is not None else None, out_q if queries is not None else None
 
 
 @triton.jit
@@ -1155,8 +1129,7 @@ def _key_scales(EK, EV, n0, k_len, v_len, BLOCK_N: tl.constexpr, K_FORMAT: tl.co
                 ONE_SCALE: tl.constexpr, WORDS: tl.constexpr):
     """The scales of the key tile starting at n0: K's (E8M0 byte as int32, or FP4's FP32 second
     level) and V's unbiased exponent (-126 past the document: it never raises ref_i). ONE_SCALE:
-    the tile lies inside one scale block (B_t a multiple of the tile width): scalars. E8M0 rows
-    start at the document's 16-aligned column and end at its padded end v_len (_load_e8m0)."""
+    the tile lies inside one scale block (B_t a multiple of the tile width): scalars."""
     if K_FORMAT == "bf16":
         ek = tl.zeros((BLOCK_N,), tl.int32)
         ev = ek
@@ -1349,40 +1322,52 @@ def _fwd_store(acc, l_i, m_i, ref_i, O, LSE, offs_m, qmask, h, H, T_Q, D: tl.con
     tl.store(LSE + h * T_Q + offs_m, lse, mask=qmask)
 
 
-# The portable forward (backend="wgmma": Hopper's fp8 wgmma, any other GPU, the interpreter): Q K^T
-# through tl.dot with the scales outside the MMA. One step = one key tile at document-local offset
-# start_n; ek, ev are its scales, loaded one step ahead: Triton software-pipelines only the loads
-# that feed a dot, so the step issues the next tile's scale loads first and their latency hides
-# behind this tile's MMAs. ONE_SCALE: ek, ev are scalars, folded into per-row factors (two
-# multiplies per element of S saved).
+# One step of either kernel = one key tile at document-local offset start_n; ek, ev are its scales,
+# loaded one step ahead: Triton software-pipelines only the loads that feed a dot, so the step issues
+# the next tile's scale loads first and their latency hides behind this tile's MMAs. The portable
+# kernel (SCALED=False) applies K's scales after tl.dot; with ONE_SCALE they are scalars, folded into
+# per-row factors (two multiplies per element of S saved). The Blackwell kernel (SCALED) gives them
+# to tl.dot_scaled, inside the MMA, and reads E8M0 rows in 32-bit words.
 @triton.jit
-def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, qscale, pos_q, start_n,
-                   K, EK, V, EV, KS, EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt,
+def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n,
+                   K, KB, EK, V, EV, KS, EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt,
                    D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
                    CAUSAL: tl.constexpr, MASKED: tl.constexpr, K_FORMAT: tl.constexpr,
-                   PAIR_SAFEGUARD: tl.constexpr, ONE_SCALE: tl.constexpr):
+                   PAIR_SAFEGUARD: tl.constexpr, ONE_SCALE: tl.constexpr, SCALED: tl.constexpr):
     QUANT: tl.constexpr = K_FORMAT != "bf16"
     start_n = tl.multiple_of(start_n, BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)  # document-local key positions
     kmask = offs_n < k_len
     ek_next, ev_next = _key_scales(EK, EV, start_n + BLOCK_N, k_len, v_len, BLOCK_N, K_FORMAT,
-                                   ONE_SCALE, False)
-    k = _load_keys(K, start_n, k_len, HK * D, D, BLOCK_N)
-    s = tl.dot(q, tl.trans(k))  # with K's (column) scales:
-    if K_FORMAT == "fp4_decoded":
-        s = s * ek[None, :]
-    elif QUANT and ONE_SCALE:  # K's one scale joins the row factor (a power of two: exact)
-        qscale = qscale * _exp2_int(ek)
-    elif QUANT:
-        s = s * _exp2_int(ek)[None, :]
+                                   ONE_SCALE, SCALED)
+    if K_FORMAT == "fp4_packed":  # E4M3 x E2M1, both with E8M0 block scales
+        k = _load_keys(K, start_n, k_len, HK * D // 2, D // 2, BLOCK_N, 0)
+        k_e8 = _load_keys(KB, start_n, k_len, HK * D // 32, D // 32, BLOCK_N, 127)
+        s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), k_e8, "e2m1") * ek[None, :]
+    elif SCALED:
+        k = _load_keys(K, start_n, k_len, HK * D, D, BLOCK_N)
+        s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), _e8m0_blocks(ek, D), "e4m3")
+    else:
+        k = _load_keys(K, start_n, k_len, HK * D, D, BLOCK_N)
+        s = tl.dot(q, tl.trans(k))  # with K's (column) scales:
+        if K_FORMAT == "fp4_decoded":
+            s = s * ek[None, :]
+        elif QUANT and ONE_SCALE:  # K's one scale joins the row factor (a power of two: exact)
+            qscale = qscale * _exp2_int(ek)
+        elif QUANT:
+            s = s * _exp2_int(ek)[None, :]
     visible, same = _visible_pairs(kmask, offs_n, pos_q, BLOCK_TOKENS, CAUSAL, PAIR_SAFEGUARD)
     if MASKED and PAIR_SAFEGUARD and K_FORMAT == "e4m3":  # FP4 K is per token: only V has a copy
         ks = _load_keys(KS, start_n, k_len, HK * D, D, BLOCK_N)
-        eks = _load_e8m0(EKS, start_n, v_len, 127, BLOCK_N, False)
-        s = tl.where(same, tl.dot(q, tl.trans(ks)) * _exp2_int(eks.to(tl.int32))[None, :], s)
+        eks = _load_e8m0(EKS, start_n, v_len, 127, BLOCK_N, SCALED)
+        if SCALED:
+            s_tok = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(ks), _e8m0_blocks(eks, D), "e4m3")
+        else:
+            s_tok = tl.dot(q, tl.trans(ks)) * _exp2_int(eks.to(tl.int32))[None, :]
+        s = tl.where(same, s_tok, s)
     acc, l_i, m_i, ref_i = _softmax_pv(acc, l_i, m_i, ref_i, s, qscale, ev, visible, same, start_n,
                                        V, VS, EVS, v_len, stride_vd, stride_vt, D, BLOCK_N, QUANT,
-                                       MASKED, PAIR_SAFEGUARD, ONE_SCALE, False)
+                                       MASKED, PAIR_SAFEGUARD, ONE_SCALE, SCALED)
     return acc, l_i, m_i, ref_i, ek_next, ev_next
 
 
@@ -1420,9 +1405,9 @@ def _attn_fwd(
     ek, ev = _key_scales(EK, EV, 0, k_len, v_len, BLOCK_N, K_FORMAT, ONE_SCALE, False)
     for start_n in range(0, n_full, BLOCK_N):
         acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_step(
-            acc, l_i, m_i, ref_i, ek, ev, q, qscale, pos_q, start_n, K, EK, V, EV, KS, EKS, VS,
-            EVS, k_len, v_len, HK, stride_vd, stride_vt, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False,
-            K_FORMAT, False, ONE_SCALE)
+            acc, l_i, m_i, ref_i, ek, ev, q, None, qscale, pos_q, start_n, K, KB, EK, V, EV, KS,
+            EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D, BLOCK_N, BLOCK_TOKENS, CAUSAL,
+            False, K_FORMAT, False, ONE_SCALE, False)
     # Masked tiles (the diagonal) are MASKED_N keys wide: narrower tiles there waste fewer masked
     # pairs and keep the mask and safeguard temporaries within the register budget.
     if SAFEGUARD == "tile":  # every masked tile lies in the query tile's own key block
@@ -1430,47 +1415,15 @@ def _attn_fwd(
     ek, ev = _key_scales(EK, EV, n_full, k_len, v_len, MASKED_N, K_FORMAT, False, False)
     for start_n in range(n_full, n_end, MASKED_N):
         acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_step(
-            acc, l_i, m_i, ref_i, ek, ev, q, qscale, pos_q, start_n, K, EK, V, EV, KS, EKS, VS,
-            EVS, k_len, v_len, HK, stride_vd, stride_vt, D, MASKED_N, BLOCK_TOKENS, CAUSAL, True,
-            K_FORMAT, SAFEGUARD == "pair", False)
+            acc, l_i, m_i, ref_i, ek, ev, q, None, qscale, pos_q, start_n, K, KB, EK, V, EV, KS,
+            EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D, MASKED_N, BLOCK_TOKENS, CAUSAL,
+            True, K_FORMAT, SAFEGUARD == "pair", False, False)
     _fwd_store(acc, l_i, m_i, ref_i, O, LSE, offs_m, qmask, h, H, T_Q, D, QUANT)
 
 
 # The Blackwell forward (backend="dot_scaled": sm_100's MX tensor cores; elsewhere Triton emulates
-# tl.dot_scaled, TMA off): Q K^T through tl.dot_scaled with the E8M0 scales inside the MMA, K as
-# E4M3 (e4m3) or E2M1 (fp4_packed, E8M0 block scales KB); with TMA, Q, K, V come through
-# per-document tensor descriptors; E8M0 rows are read in 32-bit words. The same steps as above.
-@triton.jit
-def _attn_fwd_blackwell_step(acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n,
-                             K, KB, EK, V, EV, KS, EKS, VS, EVS, k_len, v_len, HK, stride_vd,
-                             stride_vt, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
-                             MASKED: tl.constexpr, K_FORMAT: tl.constexpr,
-                             PAIR_SAFEGUARD: tl.constexpr):
-    start_n = tl.multiple_of(start_n, BLOCK_N)
-    offs_n = start_n + tl.arange(0, BLOCK_N)  # document-local key positions
-    kmask = offs_n < k_len
-    ek_next, ev_next = _key_scales(EK, EV, start_n + BLOCK_N, k_len, v_len, BLOCK_N, K_FORMAT,
-                                   False, True)
-    if K_FORMAT == "fp4_packed":  # E4M3 x E2M1, both with E8M0 block scales
-        k = _load_keys(K, start_n, k_len, HK * D // 2, D // 2, BLOCK_N, 0)
-        k_e8 = _load_keys(KB, start_n, k_len, HK * D // 32, D // 32, BLOCK_N, 127)
-        s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), k_e8, "e2m1") * ek[None, :]
-    else:
-        k = _load_keys(K, start_n, k_len, HK * D, D, BLOCK_N)
-        s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), _e8m0_blocks(ek, D), "e4m3")
-    visible, same = _visible_pairs(kmask, offs_n, pos_q, BLOCK_TOKENS, CAUSAL, PAIR_SAFEGUARD)
-    if MASKED and PAIR_SAFEGUARD and K_FORMAT == "e4m3":  # FP4 K is per token: only V has a copy
-        ks = _load_keys(KS, start_n, k_len, HK * D, D, BLOCK_N)
-        eks = _load_e8m0(EKS, start_n, v_len, 127, BLOCK_N, True)
-        s_tok = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(ks), _e8m0_blocks(eks, D), "e4m3")
-        s = tl.where(same, s_tok, s)
-    acc, l_i, m_i, ref_i = _softmax_pv(acc, l_i, m_i, ref_i, s, qscale, ev, visible, same, start_n,
-                                       V, VS, EVS, v_len, stride_vd, stride_vt, D, BLOCK_N, True,
-                                       MASKED, PAIR_SAFEGUARD, False, True)
-    return acc, l_i, m_i, ref_i, ek_next, ev_next
-
-
+# tl.dot_scaled, TMA off): K as E4M3 (e4m3) or E2M1 (fp4_packed, E8M0 block scales KB); with TMA,
+# Q, K, V come through per-document tensor descriptors.
 @triton.jit
 def _attn_fwd_blackwell(Q, EQ, K, KB, EK, V, EV, KS, EKS, VS, EVS, O, LSE, TILES,  # as _attn_fwd's
         stride_vh, stride_vd, stride_vt, sm_scale_log2, T_Q, T_K, H, HK, T_QPAD, T_KPAD,
@@ -1498,10 +1451,10 @@ def _attn_fwd_blackwell(Q, EQ, K, KB, EK, V, EV, KS, EKS, VS, EVS, O, LSE, TILES
         K1, V1 = _kv_descriptors(K, V, k_len, v_len, HK, stride_vd, D, BLOCK_N, K_FORMAT)
     ek, ev = _key_scales(EK, EV, 0, k_len, v_len, BLOCK_N, K_FORMAT, False, True)
     for start_n in range(0, n_full, BLOCK_N):
-        acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_blackwell_step(
+        acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_step(
             acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n, K1, KB, EK, V1, EV, KS,
             EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D, BLOCK_N, BLOCK_TOKENS, CAUSAL,
-            False, K_FORMAT, False)
+            False, K_FORMAT, False, False, True)
     if SAFEGUARD == "tile":
         K, EK, V, EV = KS, EKS, VS, EVS
     if TMA:  # the masked tiles' boxes are MASKED_N keys wide
@@ -1510,25 +1463,18 @@ def _attn_fwd_blackwell(Q, EQ, K, KB, EK, V, EV, KS, EKS, VS, EVS, O, LSE, TILES
             KS, VS = _kv_descriptors(KS, VS, k_len, v_len, HK, stride_vd, D, MASKED_N, K_FORMAT)
     ek, ev = _key_scales(EK, EV, n_full, k_len, v_len, MASKED_N, K_FORMAT, False, True)
     for start_n in range(n_full, n_end, MASKED_N):
-        acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_blackwell_step(
+        acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_step(
             acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n, K, KB, EK, V, EV, KS,
             EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D, MASKED_N, BLOCK_TOKENS, CAUSAL,
-            True, K_FORMAT, SAFEGUARD == "pair")
+            True, K_FORMAT, SAFEGUARD == "pair", False, True)
     _fwd_store(acc, l_i, m_i, ref_i, O, LSE, offs_m, qmask, h, H, T_Q, D, True)
 
 
 def _decode_fp4(ops, dtype: torch.dtype) -> torch.Tensor:
-    """FP4 K as code x block scale in `dtype` (exact: at most 6 significant bits), without the
-    per-token second level, which the kernels apply as an fp32 factor. fp16 is clamped to its range
-    (MXFP4's rounding can land just past fp16's maximum)."""
+    """FP4 K as code x block scale in `dtype` (exact: 6 significant bits), without the second level
+    s2 (the kernels' fp32 factor); fp16 clamped (MXFP4's rounding can pass fp16's maximum)."""
     x = dequantize_fp4(ops.k, ops.k_block)
     return (x.clamp(-65504.0, 65504.0) if dtype == torch.float16 else x).to(dtype)
-
-
-def _descriptor_scratch(size: int, alignment: int, stream):
-    """triton.set_allocator's allocator: device memory for tl.make_tensor_descriptor (on the
-    current device and stream, where Triton launches)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_scale, block_tokens):
@@ -1555,21 +1501,17 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
         return flamia_hopper.attn_fwd(ops.q, ops.q_exp, ops.k, ops.k_exp, ops.v_t, ops.v_exp, o, lse,
                                       tiles, per_token=per_token, v_len=plan.pad_k[-1], **kw)
     BLOCK_M, BLOCK_N, MASKED_N, warps, stages = var.fwd
-    if not var.recipe.quantized:
-        strides_v = (D, 1, HK * D)  # (T, H, D)
-        unused = torch.empty(0, device=q.device)
-        operands = (q, unused, k, unused, unused, v, unused, k, unused, v, unused)
-    else:
-        k_data = _decode_fp4(ops, torch.bfloat16) if var.k_format == "fp4_decoded" else ops.k
-        # Per-token copies where the safeguard is on; FP4 K is per token, its own copy.
-        k_tok = ((ops.k_tok, ops.k_tok_exp) if var.copies and not var.recipe.k_fp4
-                 else (k_data, ops.k_exp))
-        v_tok = (ops.v_tok_t, ops.v_tok_exp) if var.copies else (ops.v_t, ops.v_exp)
-        operands = (ops.q, ops.q_exp, k_data, ops.k_block, ops.k_exp, ops.v_t, ops.v_exp,
-                    *k_tok, *v_tok)
-        strides_v = (D * plan.padded_k, plan.padded_k, 1)  # (H, D, T_pad) token-transposed
-    if var.tma and q.is_cuda:  # the kernel writes its TMA descriptors to global scratch
-        triton.set_allocator(_descriptor_scratch)
+    strides_v = (D * plan.padded_k, plan.padded_k, 1)  # (H, D, T_pad) token-transposed
+    if not var.recipe.quantized:  # bf16 in the same slots (the others unused), V as it is
+        ops, strides_v = ops._replace(q=q, k=k, v_t=v), (D, 1, HK * D)  # (T, H, D)
+    k_data = _decode_fp4(ops, torch.bfloat16) if var.k_format == "fp4_decoded" else ops.k
+    # Per-token copies where the safeguard is on; FP4 K is per token, its own copy.
+    k_tok = (ops.k_tok, ops.k_tok_exp) if var.copies and not var.recipe.k_fp4 else (k_data, ops.k_exp)
+    v_tok = (ops.v_tok_t, ops.v_tok_exp) if var.copies else (ops.v_t, ops.v_exp)
+    operands = (ops.q, ops.q_exp, k_data, ops.k_block, ops.k_exp, ops.v_t, ops.v_exp, *k_tok, *v_tok)
+    if var.tma and q.is_cuda:  # the kernel writes its TMA descriptors to global scratch (on the
+        # current device and stream, where Triton launches)
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     if tiles.shape[0] > 0:
         var.kernel[(tiles.shape[0], H)](
             *operands, o, lse, tiles, *strides_v, softmax_scale * 1.4426950408889634,  # log2(e)
