@@ -1322,52 +1322,40 @@ def _fwd_store(acc, l_i, m_i, ref_i, O, LSE, offs_m, qmask, h, H, T_Q, D: tl.con
     tl.store(LSE + h * T_Q + offs_m, lse, mask=qmask)
 
 
-# One step of either kernel = one key tile at document-local offset start_n; ek, ev are its scales,
-# loaded one step ahead: Triton software-pipelines only the loads that feed a dot, so the step issues
-# the next tile's scale loads first and their latency hides behind this tile's MMAs. The portable
-# kernel (SCALED=False) applies K's scales after tl.dot; with ONE_SCALE they are scalars, folded into
-# per-row factors (two multiplies per element of S saved). The Blackwell kernel (SCALED) gives them
-# to tl.dot_scaled, inside the MMA, and reads E8M0 rows in 32-bit words.
+# The portable forward (backend="wgmma": Hopper's fp8 wgmma, any other GPU, the interpreter): Q K^T
+# through tl.dot with the scales outside the MMA. One step = one key tile at document-local offset
+# start_n; ek, ev are its scales, loaded one step ahead: Triton software-pipelines only the loads
+# that feed a dot, so the step issues the next tile's scale loads first and their latency hides
+# behind this tile's MMAs. ONE_SCALE: ek, ev are scalars, folded into per-row factors (two
+# multiplies per element of S saved).
 @triton.jit
-def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n,
-                   K, KB, EK, V, EV, KS, EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt,
+def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, qscale, pos_q, start_n,
+                   K, EK, V, EV, KS, EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt,
                    D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
                    CAUSAL: tl.constexpr, MASKED: tl.constexpr, K_FORMAT: tl.constexpr,
-                   PAIR_SAFEGUARD: tl.constexpr, ONE_SCALE: tl.constexpr, SCALED: tl.constexpr):
+                   PAIR_SAFEGUARD: tl.constexpr, ONE_SCALE: tl.constexpr):
     QUANT: tl.constexpr = K_FORMAT != "bf16"
     start_n = tl.multiple_of(start_n, BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)  # document-local key positions
     kmask = offs_n < k_len
     ek_next, ev_next = _key_scales(EK, EV, start_n + BLOCK_N, k_len, v_len, BLOCK_N, K_FORMAT,
-                                   ONE_SCALE, SCALED)
-    if K_FORMAT == "fp4_packed":  # E4M3 x E2M1, both with E8M0 block scales
-        k = _load_keys(K, start_n, k_len, HK * D // 2, D // 2, BLOCK_N, 0)
-        k_e8 = _load_keys(KB, start_n, k_len, HK * D // 32, D // 32, BLOCK_N, 127)
-        s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), k_e8, "e2m1") * ek[None, :]
-    elif SCALED:
-        k = _load_keys(K, start_n, k_len, HK * D, D, BLOCK_N)
-        s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), _e8m0_blocks(ek, D), "e4m3")
-    else:
-        k = _load_keys(K, start_n, k_len, HK * D, D, BLOCK_N)
-        s = tl.dot(q, tl.trans(k))  # with K's (column) scales:
-        if K_FORMAT == "fp4_decoded":
-            s = s * ek[None, :]
-        elif QUANT and ONE_SCALE:  # K's one scale joins the row factor (a power of two: exact)
-            qscale = qscale * _exp2_int(ek)
-        elif QUANT:
-            s = s * _exp2_int(ek)[None, :]
+                                   ONE_SCALE, False)
+    k = _load_keys(K, start_n, k_len, HK * D, D, BLOCK_N)
+    s = tl.dot(q, tl.trans(k))  # with K's (column) scales:
+    if K_FORMAT == "fp4_decoded":
+        s = s * ek[None, :]
+    elif QUANT and ONE_SCALE:  # K's one scale joins the row factor (a power of two: exact)
+        qscale = qscale * _exp2_int(ek)
+    elif QUANT:
+        s = s * _exp2_int(ek)[None, :]
     visible, same = _visible_pairs(kmask, offs_n, pos_q, BLOCK_TOKENS, CAUSAL, PAIR_SAFEGUARD)
     if MASKED and PAIR_SAFEGUARD and K_FORMAT == "e4m3":  # FP4 K is per token: only V has a copy
         ks = _load_keys(KS, start_n, k_len, HK * D, D, BLOCK_N)
-        eks = _load_e8m0(EKS, start_n, v_len, 127, BLOCK_N, SCALED)
-        if SCALED:
-            s_tok = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(ks), _e8m0_blocks(eks, D), "e4m3")
-        else:
-            s_tok = tl.dot(q, tl.trans(ks)) * _exp2_int(eks.to(tl.int32))[None, :]
-        s = tl.where(same, s_tok, s)
+        eks = _load_e8m0(EKS, start_n, v_len, 127, BLOCK_N, False)
+        s = tl.where(same, tl.dot(q, tl.trans(ks)) * _exp2_int(eks.to(tl.int32))[None, :], s)
     acc, l_i, m_i, ref_i = _softmax_pv(acc, l_i, m_i, ref_i, s, qscale, ev, visible, same, start_n,
                                        V, VS, EVS, v_len, stride_vd, stride_vt, D, BLOCK_N, QUANT,
-                                       MASKED, PAIR_SAFEGUARD, ONE_SCALE, SCALED)
+                                       MASKED, PAIR_SAFEGUARD, ONE_SCALE, False)
     return acc, l_i, m_i, ref_i, ek_next, ev_next
 
 
@@ -1405,9 +1393,9 @@ def _attn_fwd(
     ek, ev = _key_scales(EK, EV, 0, k_len, v_len, BLOCK_N, K_FORMAT, ONE_SCALE, False)
     for start_n in range(0, n_full, BLOCK_N):
         acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_step(
-            acc, l_i, m_i, ref_i, ek, ev, q, None, qscale, pos_q, start_n, K, KB, EK, V, EV, KS,
-            EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D, BLOCK_N, BLOCK_TOKENS, CAUSAL,
-            False, K_FORMAT, False, ONE_SCALE, False)
+            acc, l_i, m_i, ref_i, ek, ev, q, qscale, pos_q, start_n, K, EK, V, EV, KS, EKS, VS,
+            EVS, k_len, v_len, HK, stride_vd, stride_vt, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False,
+            K_FORMAT, False, ONE_SCALE)
     # Masked tiles (the diagonal) are MASKED_N keys wide: narrower tiles there waste fewer masked
     # pairs and keep the mask and safeguard temporaries within the register budget.
     if SAFEGUARD == "tile":  # every masked tile lies in the query tile's own key block
@@ -1415,15 +1403,47 @@ def _attn_fwd(
     ek, ev = _key_scales(EK, EV, n_full, k_len, v_len, MASKED_N, K_FORMAT, False, False)
     for start_n in range(n_full, n_end, MASKED_N):
         acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_step(
-            acc, l_i, m_i, ref_i, ek, ev, q, None, qscale, pos_q, start_n, K, KB, EK, V, EV, KS,
-            EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D, MASKED_N, BLOCK_TOKENS, CAUSAL,
-            True, K_FORMAT, SAFEGUARD == "pair", False, False)
+            acc, l_i, m_i, ref_i, ek, ev, q, qscale, pos_q, start_n, K, EK, V, EV, KS, EKS, VS,
+            EVS, k_len, v_len, HK, stride_vd, stride_vt, D, MASKED_N, BLOCK_TOKENS, CAUSAL, True,
+            K_FORMAT, SAFEGUARD == "pair", False)
     _fwd_store(acc, l_i, m_i, ref_i, O, LSE, offs_m, qmask, h, H, T_Q, D, QUANT)
 
 
 # The Blackwell forward (backend="dot_scaled": sm_100's MX tensor cores; elsewhere Triton emulates
-# tl.dot_scaled, TMA off): K as E4M3 (e4m3) or E2M1 (fp4_packed, E8M0 block scales KB); with TMA,
-# Q, K, V come through per-document tensor descriptors.
+# tl.dot_scaled, TMA off): Q K^T through tl.dot_scaled with the E8M0 scales inside the MMA, K as
+# E4M3 (e4m3) or E2M1 (fp4_packed, E8M0 block scales KB); with TMA, Q, K, V come through
+# per-document tensor descriptors; E8M0 rows are read in 32-bit words. The same steps as above.
+@triton.jit
+def _attn_fwd_blackwell_step(acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n,
+                             K, KB, EK, V, EV, KS, EKS, VS, EVS, k_len, v_len, HK, stride_vd,
+                             stride_vt, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
+                             MASKED: tl.constexpr, K_FORMAT: tl.constexpr,
+                             PAIR_SAFEGUARD: tl.constexpr):
+    start_n = tl.multiple_of(start_n, BLOCK_N)
+    offs_n = start_n + tl.arange(0, BLOCK_N)  # document-local key positions
+    kmask = offs_n < k_len
+    ek_next, ev_next = _key_scales(EK, EV, start_n + BLOCK_N, k_len, v_len, BLOCK_N, K_FORMAT,
+                                   False, True)
+    if K_FORMAT == "fp4_packed":  # E4M3 x E2M1, both with E8M0 block scales
+        k = _load_keys(K, start_n, k_len, HK * D // 2, D // 2, BLOCK_N, 0)
+        k_e8 = _load_keys(KB, start_n, k_len, HK * D // 32, D // 32, BLOCK_N, 127)
+        s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), k_e8, "e2m1") * ek[None, :]
+    else:
+        k = _load_keys(K, start_n, k_len, HK * D, D, BLOCK_N)
+        s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), _e8m0_blocks(ek, D), "e4m3")
+    visible, same = _visible_pairs(kmask, offs_n, pos_q, BLOCK_TOKENS, CAUSAL, PAIR_SAFEGUARD)
+    if MASKED and PAIR_SAFEGUARD and K_FORMAT == "e4m3":  # FP4 K is per token: only V has a copy
+        ks = _load_keys(KS, start_n, k_len, HK * D, D, BLOCK_N)
+        eks = _load_e8m0(EKS, start_n, v_len, 127, BLOCK_N, True)
+        s_tok = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(ks), _e8m0_blocks(eks, D), "e4m3")
+        s = tl.where(same, s_tok, s)
+    acc, l_i, m_i, ref_i = _softmax_pv(acc, l_i, m_i, ref_i, s, qscale, ev, visible, same, start_n,
+                                       V, VS, EVS, v_len, stride_vd, stride_vt, D, BLOCK_N, True,
+                                       MASKED, PAIR_SAFEGUARD, False, True)
+    return acc, l_i, m_i, ref_i, ek_next, ev_next
+
+
 @triton.jit
 def _attn_fwd_blackwell(Q, EQ, K, KB, EK, V, EV, KS, EKS, VS, EVS, O, LSE, TILES,  # as _attn_fwd's
         stride_vh, stride_vd, stride_vt, sm_scale_log2, T_Q, T_K, H, HK, T_QPAD, T_KPAD,
@@ -1451,10 +1471,10 @@ def _attn_fwd_blackwell(Q, EQ, K, KB, EK, V, EV, KS, EKS, VS, EVS, O, LSE, TILES
         K1, V1 = _kv_descriptors(K, V, k_len, v_len, HK, stride_vd, D, BLOCK_N, K_FORMAT)
     ek, ev = _key_scales(EK, EV, 0, k_len, v_len, BLOCK_N, K_FORMAT, False, True)
     for start_n in range(0, n_full, BLOCK_N):
-        acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_step(
+        acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_blackwell_step(
             acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n, K1, KB, EK, V1, EV, KS,
             EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D, BLOCK_N, BLOCK_TOKENS, CAUSAL,
-            False, K_FORMAT, False, False, True)
+            False, K_FORMAT, False)
     if SAFEGUARD == "tile":
         K, EK, V, EV = KS, EKS, VS, EVS
     if TMA:  # the masked tiles' boxes are MASKED_N keys wide
@@ -1463,10 +1483,10 @@ def _attn_fwd_blackwell(Q, EQ, K, KB, EK, V, EV, KS, EKS, VS, EVS, O, LSE, TILES
             KS, VS = _kv_descriptors(KS, VS, k_len, v_len, HK, stride_vd, D, MASKED_N, K_FORMAT)
     ek, ev = _key_scales(EK, EV, n_full, k_len, v_len, MASKED_N, K_FORMAT, False, True)
     for start_n in range(n_full, n_end, MASKED_N):
-        acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_step(
+        acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_blackwell_step(
             acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n, K, KB, EK, V, EV, KS,
             EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D, MASKED_N, BLOCK_TOKENS, CAUSAL,
-            True, K_FORMAT, SAFEGUARD == "pair", False, True)
+            True, K_FORMAT, SAFEGUARD == "pair")
     _fwd_store(acc, l_i, m_i, ref_i, O, LSE, offs_m, qmask, h, H, T_Q, D, True)
 
 
