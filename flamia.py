@@ -656,22 +656,28 @@ def _quantizer_input(x, plan: Plan, side: str, name: str = "x") -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+class MXFP8Launch(NamedTuple):
+    """What one quantize_mxfp8_launch wrote: x's MXFP8, and second's and the queries' if asked."""
+    x: MXFP8
+    second: Optional[MXFP8]
+    queries: Optional[MXFP8]
+
+
 def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str = "q",
                    transposed: bool = False, per_token_copy: bool = False) -> MXFP8:
     """Fused Triton quantizer: ONE launch reads x (T, H, D) once and writes the block-scaled data
     (row-major, or token-transposed with transposed=True: how the forward reads V), its exponents,
     and with per_token_copy=True the per-token quantized copy in the same layout (.tok, for the
     causal safeguard). `side`: whose documents x follows in `plan` ("q" or "k")."""
-    return quantize_mxfp8_launch(x, plan, block_tokens, side, transposed, per_token_copy)[0]
+    return quantize_mxfp8_launch(x, plan, block_tokens, side, transposed, per_token_copy).x
 
 
 def quantize_mxfp8_launch(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str = "q",
                           transposed: bool = False, per_token_copy: bool = False, second=None,
-                          queries=None) -> tuple:
+                          queries=None) -> MXFP8Launch:
     """quantize_mxfp8, with more tensors in the same launch (the forward quantizes in one):
     second=(x2, transposed2), a tensor of x's shape, documents and block_tokens (K and V);
-    queries=q, Q (T, Hq, D) of the same documents (Hq a multiple of H), per token, row-major.
-    Returns the MXFP8 of x, of second and of the queries (None where not asked)."""
+    queries=q, Q (T, Hq, D) of the same documents (Hq a multiple of H), per token, row-major."""
     _check_block_tokens(block_tokens)
     x = _quantizer_input(x, plan, side)
     T, H, D = x.shape
@@ -712,7 +718,7 @@ def quantize_mxfp8_launch(x: torch.Tensor, plan: Plan, block_tokens: int = 1, si
             BLOCK_TOKENS=block_tokens, WRITE_T=transposed, WRITE_TOK=per_token_copy,
             PTX_CVT=not INTERPRETED, SECOND=second is not None, WRITE_T2=out2.data is None,
             QUERIES=queries is not None, num_warps=8)  # 4 warps spill with the per-token copy
-    return out, out2 if second is not None else None, out_q if queries is not None else None
+    return MXFP8Launch(out, out2 if second is not None else None, out_q if queries is not None else None)
 
 
 @triton.jit
