@@ -812,11 +812,13 @@ def _bwd_step(c, sm, dk, dv, pos_k, kd_len, start_m, shift, DQh, q_len, H, sm_sc
     o_layout: gl.constexpr = dk.type.layout
     st = c % STAGES
     if COPIES:  # the safeguard's per-token K, V (query tiles whose position their block holds)
-        k = sm.ks_s.slice(WG * 64, 64)
-        v = sm.vs_s.slice(WG * 64, 64)
+        k_all = sm.ks_s
+        v_all = sm.vs_s
     else:
-        k = sm.k_s.slice(WG * 64, 64)
-        v = sm.v_s.slice(WG * 64, 64)
+        k_all = sm.k_s
+        v_all = sm.v_s
+    k = k_all.slice(WG * 64, 64)  # this warpgroup's 64 keys
+    v = v_all.slice(WG * 64, 64)
     _acquire_filled(sm.q_ready, c, STAGES)
     q = sm.q_s.index(st)
     do = sm.do_s.index(st)
@@ -849,10 +851,6 @@ def _bwd_step(c, sm, dk, dv, pos_k, kd_len, start_m, shift, DQh, q_len, H, sm_sc
     dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok,))
     dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok,))
     _release(sm.q_free, c, STAGES)
-    if COPIES:
-        k_all = sm.ks_s
-    else:
-        k_all = sm.k_s
     dq_layout: gl.constexpr = _mma_layout(dtype, D // 2)
     _acquire_filled(sm.ds_ready, c, 2)  # both halves of dS^T are in ds_s
     dq = gl.zeros([BLOCK_M, D // 2], gl.float32, dq_layout)
