@@ -1568,8 +1568,7 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
 # Before them, two memory-bound passes: Delta = rowsum(dO * O), and the dequantization.
 @triton.jit
 def _delta_kernel(O, DO, DELTA, T, H, D: tl.constexpr, BLOCK_T: tl.constexpr):
-    """DELTA[h, t] = sum_d O[t, h, d] * dO[t, h, d] in fp32: rowsum(P * dP) of the softmax
-    backward."""
+    """DELTA[h, t] = sum_d O[t, h, d] * dO[t, h, d] in fp32: the softmax backward's rowsum(P * dP)."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
     mask = offs_t < T
@@ -1823,29 +1822,23 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
     delta = torch.empty(H, Tq, dtype=torch.float32, device=o.device)  # rowsum(P * dP) = dO . O
     if Tq > 0:
         _delta_kernel[(triton.cdiv(Tq, 64), H)](o, do, delta, Tq, H, D=D, BLOCK_T=64)
-    k_scale = delta  # unused unless K_SCALED
+    k_scale = ops.k_exp if r.k_fp4 else delta  # FP4 K's second level; unused unless K_SCALED
+    deq = lambda side, *mxfp8: _dequantize(MXFP8(*mxfp8), q.dtype, plan, side)
     if r.quantized:  # bf16 kernels on the exactly dequantized operands (see the section comment)
-        deq = lambda side, *mxfp8: _dequantize(MXFP8(*mxfp8), q.dtype, plan, side)
         q, v = deq("q", ops.q, ops.q_exp), deq("k", None, ops.v_exp, ops.v_t)
-        if r.k_fp4:
-            k, k_scale = _decode_fp4(ops, q.dtype), ops.k_exp
-        else:
-            k = deq("k", ops.k, ops.k_exp)
-        ks = deq("k", ops.k_tok, ops.k_tok_exp) if var.copies and not r.k_fp4 else k
-        vs = deq("k", None, ops.v_tok_exp, ops.v_tok_t) if var.copies else v
+        k = _decode_fp4(ops, q.dtype) if r.k_fp4 else deq("k", ops.k, ops.k_exp)
     else:
         q, k, v = (x.contiguous() for x in (q, k, v))
-        ks, vs = k, v
-    init = torch.zeros if plan.keys_without_rows else torch.empty
-    dk, dv = (init(Tk, HK, D, dtype=q.dtype, device=q.device) for _ in "kv")
+    ks = deq("k", ops.k_tok, ops.k_tok_exp) if var.copies and not r.k_fp4 else k  # the safeguard's
+    vs = deq("k", None, ops.v_tok_exp, ops.v_tok_t) if var.copies else v  # per-token copies
+    dk, dv = ((q.new_zeros if plan.keys_without_rows else q.new_empty)(Tk, HK, D) for _ in "kv")
     if var.bwd == "gluon":  # flamia_hopper.py's backward: the same function, dQ by fp32 atomics
         tiles = plan.tiles(flamia_hopper.BWD_BLOCK_N, "k", causal)
         dq = flamia_hopper.attn_bwd(q, k, v, ks, vs, do, lse, delta, dk, dv, tiles,
                                     softmax_scale=softmax_scale, causal=causal,
                                     block_tokens=block_tokens, tile_safeguard=var.modes[1] == "tile")
         return dq, dk, dv
-    init = torch.zeros if plan.rows_without_keys[causal] else torch.empty
-    dq = init(Tq, H, D, dtype=q.dtype, device=q.device)
+    dq = (q.new_zeros if plan.rows_without_keys[causal] else q.new_empty)(Tq, H, D)
     for kernel, outs, (BM, BN, warps, stages), side, heads, mode in (  # per key tile, per query tile
             (_attn_bwd_dkdv, (dk, dv), var.dkdv, "k", HK, var.modes[1]),
             (_attn_bwd_dq, (dq,), var.dq, "q", H, var.modes[2])):
@@ -1909,16 +1902,13 @@ def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, c
     return Operands(*(p if p is not None else unused() for p in parts))
 
 
-_DENSE_PLANS = {}  # (B, Sq, Sk, device) -> Plan of flamia_attn_func's equal-length documents
+_dense_plan = functools.cache(Plan.dense)  # the Plans of flamia_attn_func's calls, by shape and device
 
 
 def _plan_for(cu_q: torch.Tensor, cu_k: torch.Tensor, dense: list) -> Plan:
     """The Plan of these cu_seqlens tensors: the registered one, or a new one (one host sync)."""
-    if dense[0] > 0:  # (B, S, H, D) inputs: B equal documents, cached by shape
-        key = (*dense, str(cu_q.device))
-        if key not in _DENSE_PLANS:
-            _DENSE_PLANS[key] = Plan.dense(*dense, cu_q.device)
-        return _DENSE_PLANS[key]
+    if dense[0] > 0:  # (B, S, H, D) inputs: B equal documents
+        return _dense_plan(*dense, str(cu_q.device))
     plan = _PLANS.get(id(cu_q))
     if (plan is None or plan.cu_seqlens_q is not cu_q or plan.cu_seqlens_k is not cu_k
             or plan.version != cu_q._version):
@@ -1939,8 +1929,7 @@ def _check_plan(plan: Plan, total_q: int, total_k: int, max_seqlen_q=None, max_s
 
 def _check_finite(q, k, v) -> None:
     """check_finite=True: one pass over q, k, v and one host sync."""
-    finite = torch.stack([torch.isfinite(x).all() for x in (q, k, v)]).tolist()
-    for name, ok in zip("qkv", finite):
+    for name, ok in zip("qkv", torch.stack([torch.isfinite(x).all() for x in (q, k, v)]).tolist()):
         if not ok:
             raise ValueError(f"{name} contains inf or NaN (check_finite=True)")
 
@@ -1968,8 +1957,7 @@ def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale,
     every slot of Operands."""
     (Tq, H, D), (Tk, HK) = q.shape, k.shape[:2]
     r = _RECIPES[recipe]
-    n_docs = cu_seqlens_k.shape[0] - 1
-    q_pad, k_pad = padded_tokens(Tq, n_docs), padded_tokens(Tk, n_docs)
+    q_pad, k_pad = (padded_tokens(t, cu_seqlens_k.shape[0] - 1) for t in (Tq, Tk))
     copies = _token_copies(r, causal, safeguard, block_tokens)  # the safeguard's per-token copies
     f8, u8, f32 = torch.float8_e4m3fn, torch.uint8, torch.float32
     unused = ((0,), f32)
@@ -2175,10 +2163,8 @@ def _documents_of(position_ids: torch.Tensor, batch: int, seqlen: int) -> torch.
     the position does not follow its predecessor (transformers' rule for packed rows, which also
     covers positions that restart at 1 rather than 0). On the host: one read per batch."""
     pos = position_ids.expand(batch, seqlen).cpu()  # (1, S) position_ids serve every row
-    starts = torch.ones_like(pos, dtype=torch.bool)
-    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-    cu = starts.flatten().nonzero().flatten()
-    return torch.cat([cu, cu.new_tensor([batch * seqlen])]).to(torch.int32)
+    starts = torch.cat([torch.ones(batch, 1, dtype=torch.bool), pos[:, 1:] != pos[:, :-1] + 1], 1)
+    return torch.cat([starts.flatten(), torch.tensor([True])]).nonzero().flatten().to(torch.int32)
 
 
 def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BLOCK_TOKENS, **options):
@@ -2265,12 +2251,11 @@ def audit_causality(attn_fn, *, heads=2, kv_heads=None, head_dim=64, doc_lens=AU
     randn = lambda h, g: torch.randn(T, h, head_dim, generator=g).to(dtype).to(device)
     base = {n: randn(h, gen) for n, h in (("q", heads), ("k", kv_heads), ("v", kv_heads))}
     d_out = randn(heads, torch.Generator().manual_seed(seed + 1))
-    max_len = max(doc_lens)
 
     def run(x):  # a row per token: O [, LSE] [, dQ, dK, dV]
         if gradients:
             x = {n: t.clone().requires_grad_() for n, t in x.items()}
-        out = attn_fn(x["q"], x["k"], x["v"], cu, cu, max_len, max_len)
+        out = attn_fn(x["q"], x["k"], x["v"], cu, cu, max(doc_lens), max(doc_lens))
         o, lse = out if isinstance(out, tuple) else (out, None)
         rows = [o] if lse is None else [o, lse.reshape(-1, T).t()]  # LSE: flash-attn layout (H, T)
         if gradients:
