@@ -1709,9 +1709,8 @@ def _attn_bwd_dkdv(
     kscale = tl.full((BLOCK_N,), 1.0, tl.float32)
     if K_SCALED:
         kscale = tl.load(K_SCALE + hk * T_K + offs_n, mask=kmask, other=1.0)
-    # Query tiles of the document that see this key tile: masked ones first (the diagonal, and the
-    # safeguard's straddling blocks), then those every row of which sees every key, then the
-    # document's partial last tile (bounds mask). Rows are document-local.
+    # Query tiles of the document that see this key tile (_query_range): masked ones first, then
+    # those every row of which sees every key, then the document's partial last tile (bounds mask).
     q_full = q_len // BLOCK_M * BLOCK_M
     q_lo, q_mid = _query_range(k_start - kd_start, k_end - kd_start, q_len, shift, BLOCK_M,
                                BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
@@ -1858,11 +1857,10 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
 # outputs' shapes), so torch.compile treats them as opaque nodes instead of breaking the graph.
 # A Plan is a Python object and cannot cross the op boundary: the ops receive the cu_seqlens
 # tensors and find the Plan built for exactly those tensor objects (every Plan registers itself),
-# or build one (one host sync). The forward's quantized operands (Operands) leave the op as
-# outputs that autograd saves for the backward.
+# or build one (one host sync). The forward's quantized operands leave the op as outputs that
+# autograd saves for the backward:
 class Operands(NamedTuple):
-    """The forward's quantized operands, reused by the backward. Unused slots are empty tensors
-    (custom-op outputs can be neither None nor aliases of each other)."""
+    """Unused slots are empty tensors (custom-op outputs can be neither None nor aliases of each other)."""
     q: torch.Tensor  # (Tq, H, D) E4M3
     q_exp: torch.Tensor  # (H, Tq_pad) uint8 E8M0, per token; *_pad: the padded token layout
     k: torch.Tensor  # mxfp8: (Tk, Hk, D) E4M3; FP4: (Tk, Hk, D/2) uint8, two E2M1 per byte
@@ -1961,11 +1959,9 @@ def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale,
     copies = _token_copies(r, causal, safeguard, block_tokens)  # the safeguard's per-token copies
     f8, u8, f32 = torch.float8_e4m3fn, torch.uint8, torch.float32
     unused = ((0,), f32)
-    if r.k_fp4:
-        n_blocks, block_dtype = (D // NVFP4_BLOCK, f8) if r.k_format == "nvfp4" else (D // MXFP4_BLOCK, u8)
-        k = [((Tk, HK, D // 2), u8), ((HK, Tk), f32), ((Tk, HK, n_blocks), block_dtype)]
-    else:
-        k = [((Tk, HK, D), f8), ((HK, k_pad), u8), unused]
+    n_blocks, block_dtype = (D // NVFP4_BLOCK, f8) if r.k_format == "nvfp4" else (D // MXFP4_BLOCK, u8)
+    k = ([((Tk, HK, D // 2), u8), ((HK, Tk), f32), ((Tk, HK, n_blocks), block_dtype)] if r.k_fp4
+         else [((Tk, HK, D), f8), ((HK, k_pad), u8), unused])
     k_tok = k[:2] if copies and not r.k_fp4 else [unused, unused]
     v = [((HK, D, k_pad), f8), ((HK, k_pad), u8)]
     v_tok = v if copies else [unused, unused]
@@ -2006,19 +2002,17 @@ class _FlamiaAttention(torch.autograd.Function):
                 backend, check_finite, deterministic):
         o, lse, *ops = _fwd(q, k, v, cu_q, cu_k, dense, causal, scale, recipe, block_tokens,
                             safeguard, backend, check_finite)
-        # The quantized recipes' backward needs only the quantized operands (half the bytes).
-        keep = (q.new_empty(0),) * 3 if _RECIPES[recipe].quantized else (q, k, v)
+        keep = (q, k, v)
+        if _RECIPES[recipe].quantized:  # the backward reads only ops (half the bytes) and the shapes
+            keep = [x.new_empty(1).expand(x.shape) for x in keep]  # one element each, stride 0
         ctx.save_for_backward(*keep, o, lse, cu_q, cu_k, *ops)
         ctx.args = (dense, causal, scale, recipe, block_tokens, safeguard, backend, deterministic)
-        ctx.shapes = (q.shape, k.shape, v.shape)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse, cu_q, cu_k, *ops = ctx.saved_tensors
-        if _RECIPES[ctx.args[3]].quantized:  # the kernels need only the originals' shapes
-            q, k, v = (o.new_empty(s) for s in ctx.shapes)
         dq, dk, dv = _bwd(do, q, k, v, o, lse, ops, cu_q, cu_k, *ctx.args)
         return dq, dk, dv, *([None] * 11)
 
@@ -2132,15 +2126,14 @@ def flamia_attn_func(q, k, v, *, causal=True, softmax_scale=None, recipe="mxfp8"
 # ---------------------------------------------------------------------------------------------
 # 6b. Hugging Face transformers: FLAMIA as a model's attention (packed documents included)
 # ---------------------------------------------------------------------------------------------
-# transformers calls a registered attention function with (B, H, S, D) query and (B, Hk, S, D)
-# key/value and hands it everything else as keyword arguments. Packed training
-# (DataCollatorWithFlattening: one row of several documents) reaches it ONLY as keywords:
-# position_ids restarting at every document, plus cu_seq_lens_q/k and max_length_q/k when the
-# collator is built with return_flash_attn_kwargs=True; attention_mask is then None. An adapter
-# that ignores them attends across documents: the leak FLAMIA exists to prevent. So the documents
-# come from cu_seq_lens_q/k, else from position_ids (a new one wherever they restart), else one per
-# row. Every layer gets the same tensor object, so the Plan is built on the first layer (one host
-# read) and found by the others and the backward. transformers is not imported (duck-typed, 5.x).
+# transformers calls a registered attention function with (B, H, S, D) query, (B, Hk, S, D) key/value
+# and the rest as keywords. Packed training (DataCollatorWithFlattening: one row of several documents)
+# reaches it ONLY as keywords: position_ids restarting at every document, plus cu_seq_lens_q/k and
+# max_length_q/k with return_flash_attn_kwargs=True; attention_mask is then None. An adapter that
+# ignores them attends across documents: the leak FLAMIA exists to prevent. So the documents come from
+# cu_seq_lens_q/k, else from position_ids (a new one wherever they restart), else one per row. Every
+# layer gets the same tensor object, so the Plan is built on the first layer (one host read) and found
+# by the others and the backward. transformers is not imported (duck-typed, 5.x).
 _HF_PLANS = {}  # id(a batch's cu_seq_lens_q or position_ids) -> (stamp, Plan), while that tensor lives
 
 
@@ -2256,10 +2249,9 @@ def audit_causality(attn_fn, *, heads=2, kv_heads=None, head_dim=64, doc_lens=AU
         if gradients:
             x = {n: t.clone().requires_grad_() for n, t in x.items()}
         out = attn_fn(x["q"], x["k"], x["v"], cu, cu, max(doc_lens), max(doc_lens))
-        o, lse = out if isinstance(out, tuple) else (out, None)
-        rows = [o] if lse is None else [o, lse.reshape(-1, T).t()]  # LSE: flash-attn layout (H, T)
+        rows = [out[0], out[1].reshape(-1, T).t()] if isinstance(out, tuple) else [out]  # LSE: (H, T)
         if gradients:
-            o.backward(d_out)
+            rows[0].backward(d_out)
             rows += [x[n].grad for n in "qkv"]
         return torch.cat([r.detach().reshape(T, -1).float() for r in rows], 1)
 
