@@ -1706,17 +1706,15 @@ def _attn_bwd_dkdv(
         if not K_SCALED:
             ks = tl.load(KS + ptrs, mask=kmask[:, None], other=0.0)
         vs = tl.load(VS + ptrs, mask=kmask[:, None], other=0.0)
-    kscale = tl.full((BLOCK_N,), 1.0, tl.float32)
-    if K_SCALED:
-        kscale = tl.load(K_SCALE + hk * T_K + offs_n, mask=kmask, other=1.0)
+    kscale = (tl.load(K_SCALE + hk * T_K + offs_n, mask=kmask, other=1.0) if K_SCALED
+              else tl.full((BLOCK_N,), 1.0, tl.float32))
     # Query tiles of the document that see this key tile (_query_range): masked ones first, then
     # those every row of which sees every key, then the document's partial last tile (bounds mask).
     q_full = q_len // BLOCK_M * BLOCK_M
     q_lo, q_mid = _query_range(k_start - kd_start, k_end - kd_start, q_len, shift, BLOCK_M,
                                BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
-    k_diag, v_diag = k, v
-    if SAFEGUARD == "tile":  # the masked query tiles all lie in this key tile's block
-        k_diag, v_diag = ks, vs
+    # "tile": the masked query tiles all lie in this key tile's block
+    k_diag, v_diag = (ks, vs) if SAFEGUARD == "tile" else (k, v)
     sm_scale_log2 = sm_scale * 1.4426950408889634
     dk, dv = tl.zeros((BLOCK_N, D), tl.float32), tl.zeros((BLOCK_N, D), tl.float32)
     for hq in range(hk * (H // HK), (hk + 1) * (H // HK)):  # GQA: sum over this K/V head's queries
@@ -2192,8 +2190,7 @@ def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BL
         causal = getattr(module, "is_causal", True) if causal is None else causal
         if query.dtype == torch.float32 and torch.is_autocast_enabled(query.device.type):
             # fp32 RoPE tables promote q, k under autocast: attend in the autocast dtype
-            dtype = torch.get_autocast_dtype(query.device.type)
-            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+            query, key, value = (x.to(torch.get_autocast_dtype(x.device.type)) for x in (query, key, value))
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, S, heads, D)
         kw = dict(causal=causal, softmax_scale=scaling, recipe=recipe, block_tokens=block_tokens, **options)
         cu_q, pos = kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids")
