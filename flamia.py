@@ -1826,8 +1826,8 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
         k = _decode_fp4(ops, q.dtype) if r.k_fp4 else deq("k", ops.k, ops.k_exp)
     else:
         q, k, v = (x.contiguous() for x in (q, k, v))
-    ks = deq("k", ops.k_tok, ops.k_tok_exp) if var.copies and not r.k_fp4 else k  # the safeguard's
-    vs = deq("k", None, ops.v_tok_exp, ops.v_tok_t) if var.copies else v  # per-token copies
+    ks = deq("k", ops.k_tok, ops.k_tok_exp) if var.copies and not r.k_fp4 else k
+    vs = deq("k", None, ops.v_tok_exp, ops.v_tok_t) if var.copies else v  # ks, vs: the per-token copies
     dk, dv = ((q.new_zeros if plan.keys_without_rows else q.new_empty)(Tk, HK, D) for _ in "kv")
     if var.bwd == "gluon":  # flamia_hopper.py's backward: the same function, dQ by fp32 atomics
         tiles = plan.tiles(flamia_hopper.BWD_BLOCK_N, "k", causal)
