@@ -1568,8 +1568,7 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
 # Before them, two memory-bound passes: Delta = rowsum(dO * O), and the dequantization.
 @triton.jit
 def _delta_kernel(O, DO, DELTA, T, H, D: tl.constexpr, BLOCK_T: tl.constexpr):
-    """DELTA[h, t] = sum_d O[t, h, d] * dO[t, h, d] in fp32: rowsum(P * dP) of the softmax
-    backward."""
+    """DELTA[h, t] = sum_d O[t, h, d] * dO[t, h, d] in fp32: the softmax backward's rowsum(P * dP)."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
     mask = offs_t < T
@@ -1707,18 +1706,15 @@ def _attn_bwd_dkdv(
         if not K_SCALED:
             ks = tl.load(KS + ptrs, mask=kmask[:, None], other=0.0)
         vs = tl.load(VS + ptrs, mask=kmask[:, None], other=0.0)
-    kscale = tl.full((BLOCK_N,), 1.0, tl.float32)
-    if K_SCALED:
-        kscale = tl.load(K_SCALE + hk * T_K + offs_n, mask=kmask, other=1.0)
-    # Query tiles of the document that see this key tile: masked ones first (the diagonal, and the
-    # safeguard's straddling blocks), then those every row of which sees every key, then the
-    # document's partial last tile (bounds mask). Rows are document-local.
+    kscale = (tl.load(K_SCALE + hk * T_K + offs_n, mask=kmask, other=1.0) if K_SCALED
+              else tl.full((BLOCK_N,), 1.0, tl.float32))
+    # Query tiles of the document that see this key tile (_query_range): masked ones first, then
+    # those every row of which sees every key, then the document's partial last tile (bounds mask).
     q_full = q_len // BLOCK_M * BLOCK_M
     q_lo, q_mid = _query_range(k_start - kd_start, k_end - kd_start, q_len, shift, BLOCK_M,
                                BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
-    k_diag, v_diag = k, v
-    if SAFEGUARD == "tile":  # the masked query tiles all lie in this key tile's block
-        k_diag, v_diag = ks, vs
+    # "tile": the masked query tiles all lie in this key tile's block
+    k_diag, v_diag = (ks, vs) if SAFEGUARD == "tile" else (k, v)
     sm_scale_log2 = sm_scale * 1.4426950408889634
     dk, dv = tl.zeros((BLOCK_N, D), tl.float32), tl.zeros((BLOCK_N, D), tl.float32)
     for hq in range(hk * (H // HK), (hk + 1) * (H // HK)):  # GQA: sum over this K/V head's queries
@@ -1823,29 +1819,23 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
     delta = torch.empty(H, Tq, dtype=torch.float32, device=o.device)  # rowsum(P * dP) = dO . O
     if Tq > 0:
         _delta_kernel[(triton.cdiv(Tq, 64), H)](o, do, delta, Tq, H, D=D, BLOCK_T=64)
-    k_scale = delta  # unused unless K_SCALED
+    k_scale = ops.k_exp if r.k_fp4 else delta  # FP4 K's second level; unused unless K_SCALED
+    deq = lambda side, *mxfp8: _dequantize(MXFP8(*mxfp8), q.dtype, plan, side)
     if r.quantized:  # bf16 kernels on the exactly dequantized operands (see the section comment)
-        deq = lambda side, *mxfp8: _dequantize(MXFP8(*mxfp8), q.dtype, plan, side)
         q, v = deq("q", ops.q, ops.q_exp), deq("k", None, ops.v_exp, ops.v_t)
-        if r.k_fp4:
-            k, k_scale = _decode_fp4(ops, q.dtype), ops.k_exp
-        else:
-            k = deq("k", ops.k, ops.k_exp)
-        ks = deq("k", ops.k_tok, ops.k_tok_exp) if var.copies and not r.k_fp4 else k
-        vs = deq("k", None, ops.v_tok_exp, ops.v_tok_t) if var.copies else v
+        k = _decode_fp4(ops, q.dtype) if r.k_fp4 else deq("k", ops.k, ops.k_exp)
     else:
         q, k, v = (x.contiguous() for x in (q, k, v))
-        ks, vs = k, v
-    init = torch.zeros if plan.keys_without_rows else torch.empty
-    dk, dv = (init(Tk, HK, D, dtype=q.dtype, device=q.device) for _ in "kv")
+    ks = deq("k", ops.k_tok, ops.k_tok_exp) if var.copies and not r.k_fp4 else k
+    vs = deq("k", None, ops.v_tok_exp, ops.v_tok_t) if var.copies else v  # ks, vs: the per-token copies
+    dk, dv = ((q.new_zeros if plan.keys_without_rows else q.new_empty)(Tk, HK, D) for _ in "kv")
     if var.bwd == "gluon":  # flamia_hopper.py's backward: the same function, dQ by fp32 atomics
         tiles = plan.tiles(flamia_hopper.BWD_BLOCK_N, "k", causal)
         dq = flamia_hopper.attn_bwd(q, k, v, ks, vs, do, lse, delta, dk, dv, tiles,
                                     softmax_scale=softmax_scale, causal=causal,
                                     block_tokens=block_tokens, tile_safeguard=var.modes[1] == "tile")
         return dq, dk, dv
-    init = torch.zeros if plan.rows_without_keys[causal] else torch.empty
-    dq = init(Tq, H, D, dtype=q.dtype, device=q.device)
+    dq = (q.new_zeros if plan.rows_without_keys[causal] else q.new_empty)(Tq, H, D)
     for kernel, outs, (BM, BN, warps, stages), side, heads, mode in (  # per key tile, per query tile
             (_attn_bwd_dkdv, (dk, dv), var.dkdv, "k", HK, var.modes[1]),
             (_attn_bwd_dq, (dq,), var.dq, "q", H, var.modes[2])):
@@ -1865,11 +1855,10 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
 # outputs' shapes), so torch.compile treats them as opaque nodes instead of breaking the graph.
 # A Plan is a Python object and cannot cross the op boundary: the ops receive the cu_seqlens
 # tensors and find the Plan built for exactly those tensor objects (every Plan registers itself),
-# or build one (one host sync). The forward's quantized operands (Operands) leave the op as
-# outputs that autograd saves for the backward.
+# or build one (one host sync). The forward's quantized operands leave the op as outputs that
+# autograd saves for the backward:
 class Operands(NamedTuple):
-    """The forward's quantized operands, reused by the backward. Unused slots are empty tensors
-    (custom-op outputs can be neither None nor aliases of each other)."""
+    """Unused slots are empty tensors (custom-op outputs can be neither None nor aliases of each other)."""
     q: torch.Tensor  # (Tq, H, D) E4M3
     q_exp: torch.Tensor  # (H, Tq_pad) uint8 E8M0, per token; *_pad: the padded token layout
     k: torch.Tensor  # mxfp8: (Tk, Hk, D) E4M3; FP4: (Tk, Hk, D/2) uint8, two E2M1 per byte
@@ -1909,16 +1898,13 @@ def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, c
     return Operands(*(p if p is not None else unused() for p in parts))
 
 
-_DENSE_PLANS = {}  # (B, Sq, Sk, device) -> Plan of flamia_attn_func's equal-length documents
+_dense_plan = functools.cache(Plan.dense)  # the Plans of flamia_attn_func's calls, by shape and device
 
 
 def _plan_for(cu_q: torch.Tensor, cu_k: torch.Tensor, dense: list) -> Plan:
     """The Plan of these cu_seqlens tensors: the registered one, or a new one (one host sync)."""
-    if dense[0] > 0:  # (B, S, H, D) inputs: B equal documents, cached by shape
-        key = (*dense, str(cu_q.device))
-        if key not in _DENSE_PLANS:
-            _DENSE_PLANS[key] = Plan.dense(*dense, cu_q.device)
-        return _DENSE_PLANS[key]
+    if dense[0] > 0:  # (B, S, H, D) inputs: B equal documents
+        return _dense_plan(*dense, str(cu_q.device))
     plan = _PLANS.get(id(cu_q))
     if (plan is None or plan.cu_seqlens_q is not cu_q or plan.cu_seqlens_k is not cu_k
             or plan.version != cu_q._version):
@@ -1939,8 +1925,7 @@ def _check_plan(plan: Plan, total_q: int, total_k: int, max_seqlen_q=None, max_s
 
 def _check_finite(q, k, v) -> None:
     """check_finite=True: one pass over q, k, v and one host sync."""
-    finite = torch.stack([torch.isfinite(x).all() for x in (q, k, v)]).tolist()
-    for name, ok in zip("qkv", finite):
+    for name, ok in zip("qkv", torch.stack([torch.isfinite(x).all() for x in (q, k, v)]).tolist()):
         if not ok:
             raise ValueError(f"{name} contains inf or NaN (check_finite=True)")
 
@@ -1968,16 +1953,13 @@ def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale,
     every slot of Operands."""
     (Tq, H, D), (Tk, HK) = q.shape, k.shape[:2]
     r = _RECIPES[recipe]
-    n_docs = cu_seqlens_k.shape[0] - 1
-    q_pad, k_pad = padded_tokens(Tq, n_docs), padded_tokens(Tk, n_docs)
+    q_pad, k_pad = (padded_tokens(t, cu_seqlens_k.shape[0] - 1) for t in (Tq, Tk))
     copies = _token_copies(r, causal, safeguard, block_tokens)  # the safeguard's per-token copies
     f8, u8, f32 = torch.float8_e4m3fn, torch.uint8, torch.float32
     unused = ((0,), f32)
-    if r.k_fp4:
-        n_blocks, block_dtype = (D // NVFP4_BLOCK, f8) if r.k_format == "nvfp4" else (D // MXFP4_BLOCK, u8)
-        k = [((Tk, HK, D // 2), u8), ((HK, Tk), f32), ((Tk, HK, n_blocks), block_dtype)]
-    else:
-        k = [((Tk, HK, D), f8), ((HK, k_pad), u8), unused]
+    n_blocks, block_dtype = (D // NVFP4_BLOCK, f8) if r.k_format == "nvfp4" else (D // MXFP4_BLOCK, u8)
+    k = ([((Tk, HK, D // 2), u8), ((HK, Tk), f32), ((Tk, HK, n_blocks), block_dtype)] if r.k_fp4
+         else [((Tk, HK, D), f8), ((HK, k_pad), u8), unused])
     k_tok = k[:2] if copies and not r.k_fp4 else [unused, unused]
     v = [((HK, D, k_pad), f8), ((HK, k_pad), u8)]
     v_tok = v if copies else [unused, unused]
@@ -2018,19 +2000,17 @@ class _FlamiaAttention(torch.autograd.Function):
                 backend, check_finite, deterministic):
         o, lse, *ops = _fwd(q, k, v, cu_q, cu_k, dense, causal, scale, recipe, block_tokens,
                             safeguard, backend, check_finite)
-        # The quantized recipes' backward needs only the quantized operands (half the bytes).
-        keep = (q.new_empty(0),) * 3 if _RECIPES[recipe].quantized else (q, k, v)
+        keep = (q, k, v)
+        if _RECIPES[recipe].quantized:  # the backward reads only ops (half the bytes) and the shapes
+            keep = [x.new_empty(1).expand(x.shape) for x in keep]  # one element each, stride 0
         ctx.save_for_backward(*keep, o, lse, cu_q, cu_k, *ops)
         ctx.args = (dense, causal, scale, recipe, block_tokens, safeguard, backend, deterministic)
-        ctx.shapes = (q.shape, k.shape, v.shape)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse, cu_q, cu_k, *ops = ctx.saved_tensors
-        if _RECIPES[ctx.args[3]].quantized:  # the kernels need only the originals' shapes
-            q, k, v = (o.new_empty(s) for s in ctx.shapes)
         dq, dk, dv = _bwd(do, q, k, v, o, lse, ops, cu_q, cu_k, *ctx.args)
         return dq, dk, dv, *([None] * 11)
 
@@ -2144,15 +2124,14 @@ def flamia_attn_func(q, k, v, *, causal=True, softmax_scale=None, recipe="mxfp8"
 # ---------------------------------------------------------------------------------------------
 # 6b. Hugging Face transformers: FLAMIA as a model's attention (packed documents included)
 # ---------------------------------------------------------------------------------------------
-# transformers calls a registered attention function with (B, H, S, D) query and (B, Hk, S, D)
-# key/value and hands it everything else as keyword arguments. Packed training
-# (DataCollatorWithFlattening: one row of several documents) reaches it ONLY as keywords:
-# position_ids restarting at every document, plus cu_seq_lens_q/k and max_length_q/k when the
-# collator is built with return_flash_attn_kwargs=True; attention_mask is then None. An adapter
-# that ignores them attends across documents: the leak FLAMIA exists to prevent. So the documents
-# come from cu_seq_lens_q/k, else from position_ids (a new one wherever they restart), else one per
-# row. Every layer gets the same tensor object, so the Plan is built on the first layer (one host
-# read) and found by the others and the backward. transformers is not imported (duck-typed, 5.x).
+# transformers calls a registered attention function with (B, H, S, D) query, (B, Hk, S, D) key/value
+# and the rest as keywords. Packed training (DataCollatorWithFlattening: one row of several documents)
+# reaches it ONLY as keywords: position_ids restarting at every document, plus cu_seq_lens_q/k and
+# max_length_q/k with return_flash_attn_kwargs=True; attention_mask is then None. An adapter that
+# ignores them attends across documents: the leak FLAMIA exists to prevent. So the documents come from
+# cu_seq_lens_q/k, else from position_ids (a new one wherever they restart), else one per row. Every
+# layer gets the same tensor object, so the Plan is built on the first layer (one host read) and found
+# by the others and the backward. transformers is not imported (duck-typed, 5.x).
 _HF_PLANS = {}  # id(a batch's cu_seq_lens_q or position_ids) -> (stamp, Plan), while that tensor lives
 
 
@@ -2175,10 +2154,8 @@ def _documents_of(position_ids: torch.Tensor, batch: int, seqlen: int) -> torch.
     the position does not follow its predecessor (transformers' rule for packed rows, which also
     covers positions that restart at 1 rather than 0). On the host: one read per batch."""
     pos = position_ids.expand(batch, seqlen).cpu()  # (1, S) position_ids serve every row
-    starts = torch.ones_like(pos, dtype=torch.bool)
-    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-    cu = starts.flatten().nonzero().flatten()
-    return torch.cat([cu, cu.new_tensor([batch * seqlen])]).to(torch.int32)
+    starts = torch.cat([torch.ones(batch, 1, dtype=torch.bool), pos[:, 1:] != pos[:, :-1] + 1], 1)
+    return torch.cat([starts.flatten(), torch.tensor([True])]).nonzero().flatten().to(torch.int32)
 
 
 def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BLOCK_TOKENS, **options):
@@ -2213,8 +2190,7 @@ def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BL
         causal = getattr(module, "is_causal", True) if causal is None else causal
         if query.dtype == torch.float32 and torch.is_autocast_enabled(query.device.type):
             # fp32 RoPE tables promote q, k under autocast: attend in the autocast dtype
-            dtype = torch.get_autocast_dtype(query.device.type)
-            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+            query, key, value = (x.to(torch.get_autocast_dtype(x.device.type)) for x in (query, key, value))
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (B, S, heads, D)
         kw = dict(causal=causal, softmax_scale=scaling, recipe=recipe, block_tokens=block_tokens, **options)
         cu_q, pos = kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids")
@@ -2265,16 +2241,14 @@ def audit_causality(attn_fn, *, heads=2, kv_heads=None, head_dim=64, doc_lens=AU
     randn = lambda h, g: torch.randn(T, h, head_dim, generator=g).to(dtype).to(device)
     base = {n: randn(h, gen) for n, h in (("q", heads), ("k", kv_heads), ("v", kv_heads))}
     d_out = randn(heads, torch.Generator().manual_seed(seed + 1))
-    max_len = max(doc_lens)
 
     def run(x):  # a row per token: O [, LSE] [, dQ, dK, dV]
         if gradients:
             x = {n: t.clone().requires_grad_() for n, t in x.items()}
-        out = attn_fn(x["q"], x["k"], x["v"], cu, cu, max_len, max_len)
-        o, lse = out if isinstance(out, tuple) else (out, None)
-        rows = [o] if lse is None else [o, lse.reshape(-1, T).t()]  # LSE: flash-attn layout (H, T)
+        out = attn_fn(x["q"], x["k"], x["v"], cu, cu, max(doc_lens), max(doc_lens))
+        rows = [out[0], out[1].reshape(-1, T).t()] if isinstance(out, tuple) else [out]  # LSE: (H, T)
         if gradients:
-            o.backward(d_out)
+            rows[0].backward(d_out)
             rows += [x[n].grad for n in "qkv"]
         return torch.cat([r.detach().reshape(T, -1).float() for r in rows], 1)
 
