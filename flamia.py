@@ -94,48 +94,45 @@ def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
     return torch.where((code & 8) != 0, -mag, mag)
 
 
-def quantize_nvfp4_reference(x: torch.Tensor):
-    """x: (T, H, D) -> (packed (T, H, D//2) uint8, block scales (T, H, D//16) float8_e4m3fn,
-    per-token second-level scale (T, H) fp32)."""
+def quantize_fp4_reference(x: torch.Tensor, fmt: str = "nvfp4"):
+    """x: (T, H, D) -> (packed (T, H, D//2) uint8; block scales: NVFP4's (T, H, D//16) float8_e4m3fn
+    or MXFP4's (T, H, D//32) uint8 E8M0; second-level scale s2 (T, H) fp32: NVFP4's per token, ones
+    for MXFP4, so that MXFP4 travels through NVFP4's code paths)."""
     _check_tensor(x, "x")
     T, H, D = x.shape
     xf = x.float()
-    amax_tok = xf.abs().amax(-1)  # (T, H)
-    # Divide by tensors, not Python scalars: CUDA torch turns `x / scalar` into x * (1 / scalar),
-    # which is not the correctly rounded quotient the Triton quantizer (div_rn) and the CPU compute.
-    s2 = amax_tok / torch.full_like(amax_tok, E4M3_MAX * E2M1_MAX)
-    s2 = torch.where(s2 > 0, s2, torch.ones_like(s2))  # all-zero token: any scale, codes are 0
-    xb = xf.view(T, H, D // NVFP4_BLOCK, NVFP4_BLOCK)
-    amax_b = xb.abs().amax(-1)
-    sb = (amax_b / torch.full_like(amax_b, E2M1_MAX) / s2[..., None]).clamp(max=E4M3_MAX)
-    sb = sb.to(torch.float8_e4m3fn)
-    denom = sb.float() * s2[..., None]
-    denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+    if fmt == "mxfp4":
+        xb = xf.view(T, H, D // MXFP4_BLOCK, MXFP4_BLOCK)
+        sb = e8m0_exponent(xb.abs().amax(-1), E2M1_MAX)
+        denom, s2 = e8m0_to_float(sb), torch.ones(T, H, device=x.device)  # NaN block -> codes 0
+    else:
+        amax_tok = xf.abs().amax(-1)  # (T, H)
+        # Divide by tensors, not Python scalars: CUDA torch turns `x / scalar` into x * (1 / scalar),
+        # which is not the correctly rounded quotient the Triton quantizer (div_rn) and the CPU compute.
+        s2 = amax_tok / torch.full_like(amax_tok, E4M3_MAX * E2M1_MAX)
+        s2 = torch.where(s2 > 0, s2, torch.ones_like(s2))  # all-zero token: any scale, codes are 0
+        xb = xf.view(T, H, D // NVFP4_BLOCK, NVFP4_BLOCK)
+        amax_b = xb.abs().amax(-1)
+        sb = (amax_b / torch.full_like(amax_b, E2M1_MAX) / s2[..., None]).clamp(max=E4M3_MAX)
+        sb = sb.to(torch.float8_e4m3fn)
+        denom = sb.float() * s2[..., None]
+        denom = torch.where(denom > 0, denom, torch.ones_like(denom))
     codes = e2m1_encode(xb / denom[..., None]).view(T, H, D)
     return codes[..., 0::2] | (codes[..., 1::2] << 4), sb, s2
 
 
-def quantize_mxfp4_reference(x: torch.Tensor):
-    """x: (T, H, D) -> (packed (T, H, D//2) uint8, E8M0 exponents (T, H, D//32) uint8, second-level
-    scale (T, H) of ones, so that MXFP4 travels through NVFP4's code paths)."""
-    _check_tensor(x, "x")
-    T, H, D = x.shape
-    xb = x.float().view(T, H, D // MXFP4_BLOCK, MXFP4_BLOCK)
-    e = e8m0_exponent(xb.abs().amax(-1), E2M1_MAX)
-    codes = e2m1_encode(xb / e8m0_to_float(e)[..., None]).view(T, H, D)  # NaN block -> codes 0
-    return codes[..., 0::2] | (codes[..., 1::2] << 4), e, torch.ones(T, H, device=x.device)
-
-
-def dequantize_fp4(packed: torch.Tensor, block_scale: torch.Tensor, s2=None) -> torch.Tensor:
-    """NVFP4 (E4M3 block scales) or MXFP4 (uint8 E8M0 block scales) back to fp32, (T, H, D).
-    s2: the (T, H) second-level scale; None leaves it out (code x block scale is exact in bf16)."""
+def dequantize_fp4(packed: torch.Tensor, block_scale: torch.Tensor, s2=None, dtype=torch.float32):
+    """NVFP4 (E4M3 block scales) or MXFP4 (uint8 E8M0 block scales) back to `dtype`, (T, H, D).
+    s2: the (T, H) second-level scale; None leaves it out (the kernels' fp32 factor): code x block
+    scale is exact in bf16 (6 significant bits); fp16 is clamped (MXFP4's can pass its maximum)."""
     T, H, D2 = packed.shape
     codes = torch.stack([packed & 15, packed >> 4], dim=-1).view(T, H, 2 * D2)
     n_blocks = block_scale.shape[-1]
     vals = e2m1_decode(codes).view(T, H, n_blocks, 2 * D2 // n_blocks)  # (no -1: T may be 0)
     sb = e8m0_to_float(block_scale) if block_scale.dtype == torch.uint8 else block_scale.float()
     x = (vals * sb[..., None]).view(T, H, 2 * D2)
-    return x if s2 is None else x * s2[..., None]
+    x = x if s2 is None else x * s2[..., None]
+    return (x.clamp(-65504.0, 65504.0) if dtype == torch.float16 else x).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -734,8 +731,8 @@ def _e2m1_code(a):
 @triton.jit
 def _quantize_fp4_kernel(X, TILES, P, SB, S2, stride_xt, stride_xh, T,
                          H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, MX: tl.constexpr):
-    """NVFP4 (MX=False) or MXFP4 in one pass, bit-identical to quantize_nvfp4_reference /
-    quantize_mxfp4_reference (IEEE-rounded divisions, like torch)."""
+    """NVFP4 (MX=False) or MXFP4 in one pass, bit-identical to quantize_fp4_reference (IEEE-rounded
+    divisions, like torch)."""
     x, amax, offs_t, end, h = _load_quant_tile(X, TILES, stride_xt, stride_xh, D, BLOCK_T)
     if MX:  # E8M0 per 32 elements; the second level is 1
         NB: tl.constexpr = D // 32
@@ -767,7 +764,7 @@ def _quantize_fp4_kernel(X, TILES, P, SB, S2, stride_xt, stride_xh, T,
 
 def quantize_fp4(x: torch.Tensor, plan: Plan, fmt: str = "nvfp4", side: str = "q") -> FP4:
     """Fused Triton FP4 quantizer: one launch, x (T, H, D) read once, into fmt "nvfp4" or "mxfp4"
-    (see quantize_nvfp4_reference / quantize_mxfp4_reference)."""
+    (see quantize_fp4_reference)."""
     x = _quantizer_input(x, plan, side)
     if fmt not in ("nvfp4", "mxfp4"):
         raise ValueError(f"fmt must be 'nvfp4' or 'mxfp4', got {fmt!r}")
@@ -829,8 +826,7 @@ def _fake_quant(x: torch.Tensor, cu_seqlens: torch.Tensor, block_tokens: int, fm
     if fmt == "e4m3":
         deq = quantize_mxfp8_reference(x.detach(), cu_seqlens, block_tokens).dequantize(cu_seqlens)
     else:
-        quantize = quantize_nvfp4_reference if fmt == "nvfp4" else quantize_mxfp4_reference
-        deq = dequantize_fp4(*quantize(x.detach()))
+        deq = dequantize_fp4(*quantize_fp4_reference(x.detach(), fmt))
     x = x.float()
     return deq + (x - x.detach())
 
@@ -1496,16 +1492,9 @@ def _attn_fwd_blackwell(Q, EQ, K, KB, EK, V, EV, KS, EKS, VS, EVS, O, LSE, TILES
     _fwd_store(acc, l_i, m_i, ref_i, O, LSE, offs_m, qmask, h, H, T_Q, D, True)
 
 
-def _decode_fp4(ops, dtype: torch.dtype) -> torch.Tensor:
-    """FP4 K as code x block scale in `dtype` (exact: 6 significant bits), without the second level
-    s2 (the kernels' fp32 factor); fp16 clamped (MXFP4's rounding can pass fp16's maximum)."""
-    x = dequantize_fp4(ops.k, ops.k_block)
-    return (x.clamp(-65504.0, 65504.0) if dtype == torch.float16 else x).to(dtype)
-
-
 def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_scale, block_tokens):
-    """Launch the forward (tl or Gluon) on the quantized operands `ops` (section 6's Operands;
-    unused for bf16). Returns (o, lse)."""
+    """Launch the forward (tl or Gluon) on the quantized operands `ops` (section 6's Operands; bf16:
+    q, k, v in its slots, the others unused). Returns (o, lse)."""
     Tq, H, D = q.shape
     Tk, HK = k.shape[:2]
     empty_rows = plan.rows_without_keys[causal]
@@ -1514,12 +1503,12 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
            else torch.empty(H, Tq, device=q.device))
     tiles = plan.tiles(var.fwd[0], "q", causal)
     if not var.recipe.quantized:
-        q, k, v = (x.contiguous() for x in (q, k, v))
+        ops = ops._replace(q=q.contiguous(), k=k.contiguous(), v_t=v.contiguous())
     if var.backend == "gluon":
         kw = dict(softmax_scale=softmax_scale, causal=causal, recipe=var.recipe.name,
                   block_tokens=block_tokens)
         if not var.recipe.quantized:
-            return flamia_hopper.attn_fwd(q, None, k, None, v, None, o, lse, tiles, **kw)
+            return flamia_hopper.attn_fwd(ops.q, None, ops.k, None, ops.v_t, None, o, lse, tiles, **kw)
         per_token = ((ops.k_tok, ops.k_tok_exp, ops.v_tok_t, ops.v_tok_exp) if var.modes[0] == "tile"
                      else None)
         # v_len: the token-transposed V ends at the last document's padding; the tail of the buffer
@@ -1527,10 +1516,10 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
         return flamia_hopper.attn_fwd(ops.q, ops.q_exp, ops.k, ops.k_exp, ops.v_t, ops.v_exp, o, lse,
                                       tiles, per_token=per_token, v_len=plan.pad_k[-1], **kw)
     BLOCK_M, BLOCK_N, MASKED_N, warps, stages = var.fwd
-    strides_v = (D * plan.padded_k, plan.padded_k, 1)  # (H, D, T_pad) token-transposed
-    if not var.recipe.quantized:  # bf16 in the same slots (the others unused), V as it is
-        ops, strides_v = ops._replace(q=q, k=k, v_t=v), (D, 1, HK * D)  # (T, H, D)
-    k_data = _decode_fp4(ops, torch.bfloat16) if var.k_format == "fp4_decoded" else ops.k
+    # V token-transposed (H, D, T_pad) if fp8, bf16 V as it is (T, H, D)
+    strides_v = (D * plan.padded_k, plan.padded_k, 1) if var.recipe.quantized else (D, 1, HK * D)
+    k_data = (dequantize_fp4(ops.k, ops.k_block, dtype=torch.bfloat16) if var.k_format == "fp4_decoded"
+              else ops.k)
     # Per-token copies where the safeguard is on; FP4 K is per token, its own copy.
     k_tok = (ops.k_tok, ops.k_tok_exp) if var.copies and not var.recipe.k_fp4 else (k_data, ops.k_exp)
     v_tok = (ops.v_tok_t, ops.v_tok_exp) if var.copies else (ops.v_t, ops.v_exp)
@@ -1828,7 +1817,7 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
         deq = lambda side, *mxfp8: _dequantize(MXFP8(*mxfp8), q.dtype, plan, side)
         q, v = deq("q", ops.q, ops.q_exp), deq("k", None, ops.v_exp, ops.v_t)
         if r.k_fp4:
-            k, k_scale = _decode_fp4(ops, q.dtype), ops.k_exp
+            k, k_scale = dequantize_fp4(ops.k, ops.k_block, dtype=q.dtype), ops.k_exp
         else:
             k = deq("k", ops.k, ops.k_exp)
         ks = deq("k", ops.k_tok, ops.k_tok_exp) if var.copies and not r.k_fp4 else k
