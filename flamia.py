@@ -296,8 +296,7 @@ class Plan:
         self.max_seqlen_q, self.max_seqlen_k = map(max, zip(*lens))
         pad = lambda offs: [0] + _pad16(torch.tensor(offs).diff()).cumsum(0).tolist()
         self.pad_q, self.pad_k = pad(self.offsets_q), pad(self.offsets_k)
-        self.padded_q = padded_tokens(self.total_q, len(lens))
-        self.padded_k = padded_tokens(self.total_k, len(lens))
+        self.padded_q, self.padded_k = (padded_tokens(n, len(lens)) for n in (self.total_q, self.total_k))
         # Rows that see no key at all (bottom-right causal with Lq > Lk, or an empty key document):
         # their tiles are never launched, so their outputs must start as 0 (and their LSE as -inf).
         self.rows_without_keys = {True: any(lq > lk for lq, lk in lens),
@@ -380,10 +379,10 @@ def padded_tokens(total: int, n_docs: int) -> int:
 
 
 def _doc_index(cu_seqlens: torch.Tensor, total: int):
-    """(T,) index of the document holding each token, and that document's first token."""
+    """(T,) index of the document holding each token, and the token's position in it."""
     t = torch.arange(total, device=cu_seqlens.device)
     doc = torch.searchsorted(cu_seqlens.long(), t, right=True) - 1  # skips empty documents
-    return doc, cu_seqlens.long()[doc]
+    return doc, t - cu_seqlens.long()[doc]
 
 
 def padded_columns(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -391,16 +390,15 @@ def padded_columns(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     token-transposed data (H, D, T_padded)): every document starts at a multiple of PAD_ALIGN
     columns, its padding up to the next multiple holds an all-zero token (exponent 1), and columns
     past the last document's padding are never written. On cu_seqlens' device, no host sync."""
-    doc, start = _doc_index(cu_seqlens, total)
-    cu = cu_seqlens.long()
-    pad_start = torch.cat([cu.new_zeros(1), torch.cumsum(_pad16(cu[1:] - cu[:-1]), 0)])
-    return pad_start[doc] + torch.arange(total, device=cu.device) - start
+    doc, pos = _doc_index(cu_seqlens, total)
+    pad_start = torch.cat([pos.new_zeros(1), _pad16(cu_seqlens.long().diff()).cumsum(0)])
+    return pad_start[doc] + pos
 
 
 def token_block_start(cu_seqlens: torch.Tensor, total: int, block_tokens: int) -> torch.Tensor:
     """(T,) int64: the first token of each token's scale block (document-local)."""
-    _, start = _doc_index(cu_seqlens, total)
-    return start + (torch.arange(total, device=start.device) - start) // block_tokens * block_tokens
+    _, pos = _doc_index(cu_seqlens, total)
+    return torch.arange(total, device=pos.device) - pos % block_tokens
 
 
 # ---------------------------------------------------------------------------------------------
@@ -788,21 +786,16 @@ def quantize_fp4(x: torch.Tensor, plan: Plan, fmt: str = "nvfp4", side: str = "q
 # matrix with random column signs spreads every channel over all D. We multiply by the
 # UNNORMALIZED +-1 matrix (exact in bf16; 1/sqrt(128) is not) and divide the softmax scale by D (a
 # power of two: exact). It acts along the head dim only: no statistic crosses tokens, no leak.
-_HADAMARD = {}
-
-
+@functools.lru_cache(maxsize=None)  # one per head dim and device
 def qk_rotation(head_dim: int, device=None) -> torch.Tensor:
     """The (D, D) +-1 matrix H diag(signs), H H^T = D I (Sylvester Hadamard, fixed random signs)."""
     if head_dim & (head_dim - 1):
         raise ValueError(f"rotate_qk needs a power-of-two head_dim, got {head_dim}")
-    key = (head_dim, str(device))
-    if key not in _HADAMARD:
-        h = torch.ones(1, 1)
-        while h.shape[0] < head_dim:
-            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-        signs = torch.randint(0, 2, (head_dim,), generator=torch.Generator().manual_seed(0)) * 2 - 1
-        _HADAMARD[key] = (h * signs).to(device)
-    return _HADAMARD[key]
+    h = torch.ones(1, 1)
+    while h.shape[0] < head_dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    signs = torch.randint(0, 2, (head_dim,), generator=torch.Generator().manual_seed(0)) * 2 - 1
+    return (h * signs).to(device)
 
 
 def _rotate_qk(q, k, softmax_scale):
@@ -863,12 +856,10 @@ def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True
     q, k, v, k_tok, v_tok = (x.to(cdt) for x in (q, k, v, k_tok, v_tok))
     if Hk != H:  # GQA / MQA: each K/V head serves H // Hk consecutive query heads
         k, v, k_tok, v_tok = (x.repeat_interleave(H // Hk, dim=1) for x in (k, v, k_tok, v_tok))
-    doc_q, start_q = _doc_index(cu_seqlens_q, Tq)
-    doc_k, start_k = _doc_index(cu_seqlens_k, Tk)
-    lens_q, lens_k = cu_seqlens_q.diff().long(), cu_seqlens_k.diff().long()
+    (doc_q, pos_q), (doc_k, pos_k) = _doc_index(cu_seqlens_q, Tq), _doc_index(cu_seqlens_k, Tk)
     # Position of each query on its document's key axis (bottom-right alignment).
-    pos_q = (torch.arange(Tq, device=q.device) - start_q + (lens_k - lens_q)[doc_q])[:, None]
-    pos_k = (torch.arange(Tk, device=q.device) - start_k)[None, :]
+    pos_q = (pos_q + (cu_seqlens_k.diff() - cu_seqlens_q.diff()).long()[doc_q])[:, None]
+    pos_k = pos_k[None, :]
     visible = doc_q[:, None] == doc_k[None, :]
     if causal:
         visible &= pos_k <= pos_q
@@ -999,30 +990,32 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
     copies = _token_copies(r, causal, safeguard, block_tokens)
     mode = lambda blocks: (None if plan is None else "off" if not copies else
                            "tile" if _tile_safeguard(plan, block_tokens, *blocks) else "pair")
-    gluon_tiles = lambda: (flamia_hopper.BLOCK_M, 128, 128, None, None)  # its own warps, stages
-    # None when the Gluon forward can compute this call (as far as the plan tells), else why not
-    gluon_refusal = lambda: gluon_unavailable_reason() or (plan and flamia_hopper.unsupported_reason(
-        recipe, x.dtype, mode(gluon_tiles()[:2])))
+    # The Gluon forward's and dK/dV's tiles (their own warps, stages), and why the Gluon kernel with
+    # such tiles cannot compute this call (None: it can, as far as the plan tells)
+    gluon_fwd = lambda: (flamia_hopper.BLOCK_M, 128, 128, None, None)
+    gluon_dkdv = lambda: (64, flamia_hopper.BWD_BLOCK_N, None, None)
+    gluon_refusal = lambda tiles: gluon_unavailable_reason() or (plan and flamia_hopper.unsupported_reason(
+        recipe, x.dtype, mode(tiles()[:2])))
     blackwell = _is_blackwell(x)
     refusal = _backend_refusal(r, backend)
-    backend_requested = backend
+    gluon_bwd = not deterministic and backend in (None, "gluon") and plan is not None
+    why = gluon_refusal(gluon_fwd)
     if backend is None:
         backend = "dot_scaled" if r.dot_scaled and blackwell else "wgmma"
         if (recipe == "mxfp8" and block_tokens % 128 == 0 and D == 128 and x.is_cuda
                 and torch.cuda.get_device_capability(x.device)[0] == 9):
-            why = gluon_refusal()
             if why is None:
                 backend = "gluon"
             elif why not in _SAID:
                 _SAID.add(why)
                 warnings.warn(f"FLAMIA: not using the Gluon forward (the fastest on this GPU for "
                               f"this configuration): {why}; the tl forward computes the same function")
-    elif backend == "gluon" and refusal is None and gluon_refusal():
-        refusal = f"backend='gluon' cannot compute this call: {gluon_refusal()}; use backend='wgmma'"
+    elif backend == "gluon" and refusal is None and why:
+        refusal = f"backend='gluon' cannot compute this call: {why}; use backend='wgmma'"
     if refusal:
         return Variant(r, backend, refusal)
     tma = backend == "dot_scaled" and blackwell
-    fwd = gluon_tiles() if backend == "gluon" else (row.fwd_sm100 if tma else row.fwd)[recipe]
+    fwd = gluon_fwd() if backend == "gluon" else (row.fwd_sm100 if tma else row.fwd)[recipe]
     dkdv, dq = (row.dkdv_sm100 if blackwell else row.dkdv), row.dq
     modes = (mode(fwd[:3]), mode(dkdv[:2]), mode(dq[:2]))
     if modes[2] == "pair":
@@ -1030,11 +1023,8 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
     k_format = ("bf16" if not r.quantized else "e4m3" if not r.k_fp4 else
                 "fp4_packed" if backend == "dot_scaled" else "fp4_decoded")
     bwd = "tl"
-    if not deterministic and (backend == "gluon" or backend_requested is None):
-        gluon_dkdv = (64, flamia_hopper.BWD_BLOCK_N, None, None) if flamia_hopper else None
-        if gluon_unavailable_reason() is None and plan is not None and flamia_hopper.unsupported_reason(
-                recipe, x.dtype, mode(gluon_dkdv[:2])) is None:
-            bwd, dkdv, modes = "gluon", gluon_dkdv, (modes[0], mode(gluon_dkdv[:2]), None)
+    if gluon_bwd and not gluon_refusal(gluon_dkdv):  # dQ by fp32 atomics: not deterministic
+        bwd, dkdv, modes = "gluon", gluon_dkdv(), (modes[0], mode(gluon_dkdv()[:2]), None)
     kernel = {"wgmma": _attn_fwd, "dot_scaled": _attn_fwd_blackwell}.get(backend)
     return Variant(r, backend, None, kernel, tma, k_format, copies, fwd, dkdv, dq, modes, bwd)
 
