@@ -494,20 +494,9 @@ def _pad16_dev(n):
 
 
 @triton.jit
-def _e4m3_code(v):
-    """The E4M3 byte (as int32) of fp32 v, |v| <= 448 or NaN, rounded to nearest even, by integer
-    arithmetic on the fp32 bits: the interpreter's twin of _e4m3_word's PTX."""
-    bits = v.to(tl.int32, bitcast=True)
-    a = tl.minimum(bits & 0x7FFFFFFF, 0x43E00000)  # |v|, saturated at 448 (E4M3's largest normal)
-    # normal range (|v| >= 2^-6): the exponent and 3 mantissa bits, RNE (a carry enters the exponent)
-    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - ((127 - 7) << 3)
-    # subnormal range: |v| in multiples of 2^-9, RNE: the significand shifted right by 141 - exp
-    shift = tl.minimum(tl.maximum(141 - (a >> 23), 1), 31)
-    full = (a & 0x7FFFFF) | 0x800000
-    sub = (full + (1 << (shift - 1)) - 1 + ((full >> shift) & 1)) >> shift
-    code = tl.where(a >= 0x3C800000, normal, sub)  # 0x3C800000 = 2^-6
-    code = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7F, code)  # NaN
-    return code | ((bits >> 24) & 0x80)  # sign
+def _e4m3_byte(v):
+    """The E4M3 byte (as int32) of fp32 v by Triton's cast."""
+    return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
 
 
 @triton.jit
@@ -515,14 +504,14 @@ def _e4m3_word(v0, v1, v2, v3, PTX_CVT: tl.constexpr):
     """The E4M3 bytes of four fp32 tensors (|v| <= 448 or NaN, RNE) packed into one little-endian
     int32, v0 in the low byte. Triton's own `.to(tl.float8e4nv)` miscompiled with Triton 3.6 on the
     H200 where the bytes feed two stores (foreign bytes in whole rows, triton-lang/triton#11111),
-    so on the GPU the word comes from the PTX instruction itself (bit-exact, and faster than the
-    integer encoder); the interpreter, which runs no PTX, uses _e4m3_code."""
+    so on the GPU the word comes from the PTX instruction itself (bit-exact); the interpreter runs no
+    PTX, and its cast is right (section 8 makes it torch's)."""
     if PTX_CVT:
         return tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
             "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
             "=r,f,f,f,f", [v0, v1, v2, v3], dtype=tl.int32, is_pure=True, pack=1)
-    return _e4m3_code(v0) | (_e4m3_code(v1) << 8) | (_e4m3_code(v2) << 16) | (_e4m3_code(v3) << 24)
+    return _e4m3_byte(v0) | (_e4m3_byte(v1) << 8) | (_e4m3_byte(v2) << 16) | (_e4m3_byte(v3) << 24)
 
 
 @triton.jit
@@ -1278,10 +1267,8 @@ def _kv_pointers(K, KB, EK, V, EV, KS, EKS, VS, EVS, row, hk, kd_start, k_len, H
     if K_FORMAT != "bf16":
         v_base = tl.multiple_of(tl.load(row + OTHER_PAD), 16)
         v_len = tl.multiple_of(_pad16_dev(k_len), 16)
-    if K_FORMAT == "fp4_packed":
-        k_row = (kd_start * HK + hk) * (D // 2)
-    else:
-        k_row = (kd_start * HK + hk) * D
+    W: tl.constexpr = D // 2 if K_FORMAT == "fp4_packed" else D  # FP4: two E2M1 per byte
+    k_row = (kd_start * HK + hk) * W
     K, KS, KB = K + k_row, KS + k_row, KB + (kd_start * HK + hk) * (D // 32)
     e_row = hk * T_KPAD + v_base
     # K's scale row, the same for K and its per-token copy KS (the safeguard may read either): E8M0
