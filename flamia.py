@@ -1171,13 +1171,13 @@ def _visible_pairs(kmask, offs_n, pos_q, BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.
 
 
 @triton.jit
-def _softmax_pv(acc, l_i, m_i, ref_i, s, qscale, ev, visible, same, start_n, V, VS, EVS, v_len,
-                stride_vd, stride_vt, D: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
-                MASKED: tl.constexpr, PAIR_SAFEGUARD: tl.constexpr, ONE_SCALE: tl.constexpr,
-                WORDS: tl.constexpr):
+def _softmax_pv(state, s, qscale, ev, visible, same, start_n, V, VS, EVS, v_len, stride_vd, stride_vt,
+                D: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr,
+                PAIR_SAFEGUARD: tl.constexpr, ONE_SCALE: tl.constexpr, WORDS: tl.constexpr):
     """The online softmax and acc += P V for one key tile's scores s, both kernels': pairs that are
     not `visible` (MASKED tiles) masked out; Q's row factor qscale (> 0) applied inside the exp2's
     FMA, after the row max: max_j(s * qscale) = qscale * max_j(s) exactly."""
+    acc, l_i, m_i, ref_i = state
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qscale)
@@ -1282,15 +1282,16 @@ def _kv_pointers(K, KB, EK, V, EV, KS, EKS, VS, EVS, row, hk, kd_start, k_len, H
 
 @triton.jit
 def _fwd_state(BLOCK_M: tl.constexpr, D: tl.constexpr):
-    """The running row max m, sum l, V's reference exponent ref (2^(8 - ref) stays finite) and O."""
-    return (tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
-            tl.full((BLOCK_M,), -100, tl.int32), tl.zeros((BLOCK_M, D), tl.float32))
+    """A query tile's running state: O's accumulator acc, the row sum l, the row max m and V's
+    reference exponent ref (2^(8 - ref) stays finite)."""
+    return (tl.zeros((BLOCK_M, D), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
+            tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.full((BLOCK_M,), -100, tl.int32))
 
 
 @triton.jit
-def _fwd_store(acc, l_i, m_i, ref_i, O, LSE, offs_m, qmask, h, H, T_Q, D: tl.constexpr,
-               QUANT: tl.constexpr):
+def _fwd_store(state, O, LSE, offs_m, qmask, h, H, T_Q, D: tl.constexpr, QUANT: tl.constexpr):
     """O = acc / l and the natural-log LSE (-inf, and O = 0, for rows that saw no key)."""
+    acc, l_i, m_i, ref_i = state
     if QUANT:
         acc = acc * _exp2_int(ref_i + 119)[:, None]  # back from units of 2^(ref - 8)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -1308,11 +1309,10 @@ def _fwd_store(acc, l_i, m_i, ref_i, O, LSE, offs_m, qmask, h, H, T_Q, D: tl.con
 # behind this tile's MMAs. ONE_SCALE: ek, ev are scalars, folded into per-row factors (two
 # multiplies per element of S saved).
 @triton.jit
-def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, qscale, pos_q, start_n,
-                   K, EK, V, EV, KS, EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt,
-                   D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-                   CAUSAL: tl.constexpr, MASKED: tl.constexpr, K_FORMAT: tl.constexpr,
-                   PAIR_SAFEGUARD: tl.constexpr, ONE_SCALE: tl.constexpr):
+def _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, K, EK, V, EV, KS, EKS, VS, EVS, k_len,
+                   v_len, HK, stride_vd, stride_vt, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                   K_FORMAT: tl.constexpr, PAIR_SAFEGUARD: tl.constexpr, ONE_SCALE: tl.constexpr):
     QUANT: tl.constexpr = K_FORMAT != "bf16"
     start_n = tl.multiple_of(start_n, BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)  # document-local key positions
@@ -1332,10 +1332,9 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, qscale, pos_q, start_n,
         ks = _load_keys(KS, start_n, k_len, HK * D, D, BLOCK_N)
         eks = _load_e8m0(EKS, start_n, v_len, 127, BLOCK_N, False)
         s = tl.where(same, tl.dot(q, tl.trans(ks)) * _exp2_int(eks.to(tl.int32))[None, :], s)
-    acc, l_i, m_i, ref_i = _softmax_pv(acc, l_i, m_i, ref_i, s, qscale, ev, visible, same, start_n,
-                                       V, VS, EVS, v_len, stride_vd, stride_vt, D, BLOCK_N, QUANT,
-                                       MASKED, PAIR_SAFEGUARD, ONE_SCALE, False)
-    return acc, l_i, m_i, ref_i, ek_next, ev_next
+    state = _softmax_pv(state, s, qscale, ev, visible, same, start_n, V, VS, EVS, v_len, stride_vd,
+                        stride_vt, D, BLOCK_N, QUANT, MASKED, PAIR_SAFEGUARD, ONE_SCALE, False)
+    return state, ek_next, ev_next
 
 
 @triton.jit
@@ -1363,7 +1362,7 @@ def _attn_fwd(
     K, KB, EK, V, EV, KS, EKS, VS, EVS, v_len = _kv_pointers(
         K, KB, EK, V, EV, KS, EKS, VS, EVS, row, hk, kd_start, k_len, HK, T_K, T_KPAD, stride_vh,
         stride_vt, D, K_FORMAT)
-    m_i, l_i, ref_i, acc = _fwd_state(BLOCK_M, D)
+    state = _fwd_state(BLOCK_M, D)
     n_full, n_end = _key_range(q_start - qd_start + shift, q_end - qd_start + shift, k_len, BLOCK_N,
                                BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
     # Unmasked key tiles lie inside one scale block when B_t is a multiple of BLOCK_N (both are
@@ -1371,21 +1370,19 @@ def _attn_fwd(
     ONE_SCALE: tl.constexpr = K_FORMAT == "e4m3" and BLOCK_TOKENS % BLOCK_N == 0
     ek, ev = _key_scales(EK, EV, 0, k_len, v_len, BLOCK_N, K_FORMAT, ONE_SCALE, False)
     for start_n in range(0, n_full, BLOCK_N):
-        acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_step(
-            acc, l_i, m_i, ref_i, ek, ev, q, qscale, pos_q, start_n, K, EK, V, EV, KS, EKS, VS,
-            EVS, k_len, v_len, HK, stride_vd, stride_vt, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False,
-            K_FORMAT, False, ONE_SCALE)
+        state, ek, ev = _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, K, EK, V, EV, KS, EKS,
+                                       VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D, BLOCK_N,
+                                       BLOCK_TOKENS, CAUSAL, False, K_FORMAT, False, ONE_SCALE)
     # Masked tiles (the diagonal) are MASKED_N keys wide: narrower tiles there waste fewer masked
     # pairs and keep the mask and safeguard temporaries within the register budget.
     if SAFEGUARD == "tile":  # every masked tile lies in the query tile's own key block
         K, EK, V, EV = KS, EKS, VS, EVS
     ek, ev = _key_scales(EK, EV, n_full, k_len, v_len, MASKED_N, K_FORMAT, False, False)
     for start_n in range(n_full, n_end, MASKED_N):
-        acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_step(
-            acc, l_i, m_i, ref_i, ek, ev, q, qscale, pos_q, start_n, K, EK, V, EV, KS, EKS, VS,
-            EVS, k_len, v_len, HK, stride_vd, stride_vt, D, MASKED_N, BLOCK_TOKENS, CAUSAL, True,
-            K_FORMAT, SAFEGUARD == "pair", False)
-    _fwd_store(acc, l_i, m_i, ref_i, O, LSE, offs_m, qmask, h, H, T_Q, D, QUANT)
+        state, ek, ev = _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, K, EK, V, EV, KS, EKS,
+                                       VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D, MASKED_N,
+                                       BLOCK_TOKENS, CAUSAL, True, K_FORMAT, SAFEGUARD == "pair", False)
+    _fwd_store(state, O, LSE, offs_m, qmask, h, H, T_Q, D, QUANT)
 
 
 # The Blackwell forward (backend="dot_scaled": sm_100's MX tensor cores; elsewhere Triton emulates
@@ -1393,12 +1390,10 @@ def _attn_fwd(
 # E4M3 (e4m3) or E2M1 (fp4_packed, E8M0 block scales KB); with TMA, Q, K, V come through
 # per-document tensor descriptors; E8M0 rows are read in 32-bit words. The same steps as above.
 @triton.jit
-def _attn_fwd_blackwell_step(acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n,
-                             K, KB, EK, V, EV, KS, EKS, VS, EVS, k_len, v_len, HK, stride_vd,
-                             stride_vt, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
-                             MASKED: tl.constexpr, K_FORMAT: tl.constexpr,
-                             PAIR_SAFEGUARD: tl.constexpr):
+def _attn_fwd_blackwell_step(state, ek, ev, q, q_e8, qscale, pos_q, start_n, K, KB, EK, V, EV, KS,
+                             EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
+                             MASKED: tl.constexpr, K_FORMAT: tl.constexpr, PAIR_SAFEGUARD: tl.constexpr):
     start_n = tl.multiple_of(start_n, BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)  # document-local key positions
     kmask = offs_n < k_len
@@ -1417,10 +1412,9 @@ def _attn_fwd_blackwell_step(acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_
         eks = _load_e8m0(EKS, start_n, v_len, 127, BLOCK_N, True)
         s_tok = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(ks), _e8m0_blocks(eks, D), "e4m3")
         s = tl.where(same, s_tok, s)
-    acc, l_i, m_i, ref_i = _softmax_pv(acc, l_i, m_i, ref_i, s, qscale, ev, visible, same, start_n,
-                                       V, VS, EVS, v_len, stride_vd, stride_vt, D, BLOCK_N, True,
-                                       MASKED, PAIR_SAFEGUARD, False, True)
-    return acc, l_i, m_i, ref_i, ek_next, ev_next
+    state = _softmax_pv(state, s, qscale, ev, visible, same, start_n, V, VS, EVS, v_len, stride_vd,
+                        stride_vt, D, BLOCK_N, True, MASKED, PAIR_SAFEGUARD, False, True)
+    return state, ek_next, ev_next
 
 
 @triton.jit
@@ -1444,16 +1438,15 @@ def _attn_fwd_blackwell(Q, EQ, K, KB, EK, V, EV, KS, EKS, VS, EVS, O, LSE, TILES
         stride_vt, D, K_FORMAT)
     n_full, n_end = _key_range(q_start - qd_start + shift, q_end - qd_start + shift, k_len, BLOCK_N,
                                BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
-    m_i, l_i, ref_i, acc = _fwd_state(BLOCK_M, D)
+    state = _fwd_state(BLOCK_M, D)
     K1, V1 = K, V
     if TMA:
         K1, V1 = _kv_descriptors(K, V, k_len, v_len, HK, stride_vd, D, BLOCK_N, K_FORMAT)
     ek, ev = _key_scales(EK, EV, 0, k_len, v_len, BLOCK_N, K_FORMAT, False, True)
     for start_n in range(0, n_full, BLOCK_N):
-        acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_blackwell_step(
-            acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n, K1, KB, EK, V1, EV, KS,
-            EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D, BLOCK_N, BLOCK_TOKENS, CAUSAL,
-            False, K_FORMAT, False)
+        state, ek, ev = _attn_fwd_blackwell_step(
+            state, ek, ev, q, q_e8, qscale, pos_q, start_n, K1, KB, EK, V1, EV, KS, EKS, VS, EVS, k_len,
+            v_len, HK, stride_vd, stride_vt, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False, K_FORMAT, False)
     if SAFEGUARD == "tile":
         K, EK, V, EV = KS, EKS, VS, EVS
     if TMA:  # the masked tiles' boxes are MASKED_N keys wide
@@ -1462,11 +1455,11 @@ def _attn_fwd_blackwell(Q, EQ, K, KB, EK, V, EV, KS, EKS, VS, EVS, O, LSE, TILES
             KS, VS = _kv_descriptors(KS, VS, k_len, v_len, HK, stride_vd, D, MASKED_N, K_FORMAT)
     ek, ev = _key_scales(EK, EV, n_full, k_len, v_len, MASKED_N, K_FORMAT, False, True)
     for start_n in range(n_full, n_end, MASKED_N):
-        acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_blackwell_step(
-            acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n, K, KB, EK, V, EV, KS,
-            EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D, MASKED_N, BLOCK_TOKENS, CAUSAL,
-            True, K_FORMAT, SAFEGUARD == "pair")
-    _fwd_store(acc, l_i, m_i, ref_i, O, LSE, offs_m, qmask, h, H, T_Q, D, True)
+        state, ek, ev = _attn_fwd_blackwell_step(
+            state, ek, ev, q, q_e8, qscale, pos_q, start_n, K, KB, EK, V, EV, KS, EKS, VS, EVS, k_len,
+            v_len, HK, stride_vd, stride_vt, D, MASKED_N, BLOCK_TOKENS, CAUSAL, True, K_FORMAT,
+            SAFEGUARD == "pair")
+    _fwd_store(state, O, LSE, offs_m, qmask, h, H, T_Q, D, True)
 
 
 def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_scale, block_tokens):
