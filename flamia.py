@@ -329,12 +329,6 @@ class Plan:
         for s in ("q", "k") if self.same_documents else (side,):  # self-attention: one read for both
             self._known[id(cu), s] = (weakref.ref(cu), cu._version)
 
-    @classmethod
-    def dense(cls, batch: int, seqlen_q: int, seqlen_k: int, device) -> "Plan":
-        """Plan for (B, S, H, D) inputs: B equal documents, built without any host sync."""
-        cu = lambda s: torch.arange(0, (batch + 1) * s, s, dtype=torch.int32)
-        return cls(cu(seqlen_q), cu(seqlen_k), device=device)
-
     def tiles(self, block: int, side: str, causal: bool = True, skip_masked: bool = True):
         """(n_tiles, 8) int32 tile table of `block`-token tiles of the `side` ("q" or "k")
         documents, heaviest work first, on the plan's device (cached). skip_masked=False keeps
@@ -365,9 +359,7 @@ class Plan:
         return self._tables[key]
 
 
-def flamia_plan(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor = None, device=None) -> Plan:
-    """The Plan of a batch: build it once and pass it as plan= to every layer."""
-    return Plan(cu_seqlens_q, cu_seqlens_k, device=device)
+flamia_plan = Plan  # the Plan of a batch: build it once and pass it as plan= to every layer
 
 
 def padded_tokens(total: int, n_docs: int) -> int:
@@ -1876,7 +1868,8 @@ def _plan_for(cu_q: torch.Tensor, cu_k: torch.Tensor, dense: list) -> Plan:
     if dense[0] > 0:  # (B, S, H, D) inputs: B equal documents, cached by shape
         key = (*dense, str(cu_q.device))
         if key not in _DENSE_PLANS:
-            _DENSE_PLANS[key] = Plan.dense(*dense, cu_q.device)
+            cu = lambda s: torch.arange(0, (dense[0] + 1) * s, s, dtype=torch.int32)  # host: no GPU sync
+            _DENSE_PLANS[key] = Plan(cu(dense[1]), cu(dense[2]), device=cu_q.device)
         return _DENSE_PLANS[key]
     plan = _PLANS.get(id(cu_q))
     if (plan is None or plan.cu_seqlens_q is not cu_q or plan.cu_seqlens_k is not cu_k
