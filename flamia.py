@@ -72,11 +72,10 @@ def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
 
 
 # FP4 elements are E2M1 (+-{0, .5, 1, 1.5, 2, 3, 4, 6}), two per byte, first in the low nibble.
-# NVFP4: an E4M3 scale per 16 elements along the head dim and a second-level FP32 scale. The usual
-# second level is ONE amax over the whole tensor: a statistic over every token of every document,
-# which leaks across time and documents. Here it is per token and head: s2 = amax / (448 * 6).
-# MXFP4 (OCP MX, what tl.dot_scaled("e2m1") takes): an E8M0 scale per 32 elements by MXFP8's rule
-# for E2M1's maximum 6, no second level (s2 = 1).
+# NVFP4: an E4M3 scale per 16 elements along the head dim and a second-level FP32 scale, usually ONE
+# amax over the whole tensor: a statistic over every token of every document, which leaks across
+# time and documents. Here it is per token and head: s2 = amax / (448 * 6). MXFP4 (OCP MX, what
+# tl.dot_scaled("e2m1") takes): an E8M0 scale per 32 elements by MXFP8's rule for E2M1's max 6, s2 = 1.
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """Round-to-nearest-even onto the E2M1 grid, saturating at 6. Returns uint8 codes 0..15
     (bit 3 = sign, bits 0-2 = magnitude index into E2M1_VALUES)."""
@@ -89,9 +88,8 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
-    lut = torch.tensor(E2M1_VALUES, device=code.device)
-    mag = lut[(code & 7).long()]
-    return torch.where((code & 8) != 0, -mag, mag)
+    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=code.device)  # bit 3: sign
+    return lut[code.long()]
 
 
 def quantize_fp4_reference(x: torch.Tensor, fmt: str = "nvfp4"):
@@ -156,8 +154,7 @@ PAD_ALIGN = 16  # token-transposed layouts start every document at a multiple of
 class Recipe:
     """What a recipe puts in which format. k_format: "bf16" (not quantized), "e4m3" (MXFP8), or
     "nvfp4" / "mxfp4" (FP4 K). Q and V are MXFP8 in every quantized recipe (every query tile re-reads
-    all of K: K is where FP4's bytes pay); Q is always per token (a scale shared along Q's rows would
-    leak along them)."""
+    all of K: K is where FP4's bytes pay); Q is always per token (a scale shared along its rows leaks)."""
     name: str
     k_format: str
     dot_scaled: bool  # E8M0-only scales: what tl.dot_scaled takes (Blackwell's MX tensor cores)
@@ -199,21 +196,18 @@ def straddles(pos_q: torch.Tensor, pos_k: torch.Tensor, block_tokens: int) -> to
 
 @triton.jit
 def _straddles(pos_q, pos_k, BLOCK_TOKENS: tl.constexpr):
-    """straddles(), in a kernel."""
     return pos_k // BLOCK_TOKENS == pos_q // BLOCK_TOKENS
 
 
 @triton.jit
 def _first_straddling_key(pos_q, BLOCK_TOKENS: tl.constexpr):
-    """The first key that straddles with a query at pos_q >= 0: its block's start. Keys before it are
-    safe with their block scales."""
+    """The first key that straddles with a query at pos_q >= 0: its block's start (earlier keys: safe)."""
     return pos_q // BLOCK_TOKENS * BLOCK_TOKENS
 
 
 @triton.jit
 def _first_safe_query(key_end, BLOCK_TOKENS: tl.constexpr):
-    """The first query position past every block of keys < key_end: from there on, no pair with those
-    keys straddles."""
+    """The first query position past every block of keys < key_end: no later pair with them straddles."""
     return (key_end + BLOCK_TOKENS - 1) // BLOCK_TOKENS * BLOCK_TOKENS
 
 
@@ -423,9 +417,8 @@ class MXFP8(NamedTuple):
 
 
 class FP4(NamedTuple):
-    """A quantized (T, H, D) tensor in NVFP4 or MXFP4: packed E2M1 (T, H, D/2) uint8; block
-    scales (T, H, D/16) float8_e4m3fn (NVFP4) or (T, H, D/32) uint8 E8M0 (MXFP4); second-level
-    scales (H, T) fp32 (ones for MXFP4)."""
+    """A quantized (T, H, D) tensor in NVFP4 or MXFP4: quantize_fp4_reference's packed E2M1 codes,
+    block scales and second-level scales (ones for MXFP4), the latter stored (H, T) fp32."""
     packed: torch.Tensor
     block_scale: torch.Tensor
     s2: torch.Tensor
@@ -465,8 +458,7 @@ def transpose_tokens_reference(data: torch.Tensor, offsets: list) -> torch.Tenso
 
 @triton.jit
 def _scale_exponent(amax, SHIFT: tl.constexpr = 8, MANT: tl.constexpr = 0x600000):
-    """The scale rule on fp32 bits (see e8m0_exponent; defaults: E4M3; (2, 0x400000): E2M1).
-    Returns the E8M0 byte as int32."""
+    """e8m0_exponent on fp32 bits: the E8M0 byte as int32 (defaults: E4M3; (2, 0x400000): E2M1)."""
     bits = amax.to(tl.int32, bitcast=True)
     biased = (bits >> 23) & 0xFF
     e = biased - SHIFT + ((bits & 0x7FFFFF) > MANT).to(tl.int32)
@@ -710,8 +702,7 @@ def _e2m1_code(a):
 @triton.jit
 def _quantize_fp4_kernel(X, TILES, P, SB, S2, stride_xt, stride_xh, T,
                          H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, MX: tl.constexpr):
-    """NVFP4 (MX=False) or MXFP4 in one pass, bit-identical to quantize_fp4_reference (IEEE-rounded
-    divisions, like torch)."""
+    """NVFP4 (MX=False) or MXFP4 in one pass, bit-identical to quantize_fp4_reference (div_rn, as torch)."""
     x, amax, offs_t, end, h = _load_quant_tile(X, TILES, stride_xt, stride_xh, D, BLOCK_T)
     if MX:  # E8M0 per 32 elements; the second level is 1
         NB: tl.constexpr = D // 32
@@ -742,8 +733,7 @@ def _quantize_fp4_kernel(X, TILES, P, SB, S2, stride_xt, stride_xh, T,
 
 
 def quantize_fp4(x: torch.Tensor, plan: Plan, fmt: str = "nvfp4", side: str = "q") -> FP4:
-    """Fused Triton FP4 quantizer: one launch, x (T, H, D) read once, into fmt "nvfp4" or "mxfp4"
-    (see quantize_fp4_reference)."""
+    """Fused Triton quantize_fp4_reference of x (T, H, D) into fmt: one launch, x read once."""
     x = _quantizer_input(x, plan, side)
     if fmt not in ("nvfp4", "mxfp4"):
         raise ValueError(f"fmt must be 'nvfp4' or 'mxfp4', got {fmt!r}")
@@ -957,12 +947,10 @@ def _backend_refusal(r: Recipe, backend: Optional[str]) -> Optional[str]:
 
 
 def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool = True,
-            safeguard: bool = True, backend: Optional[str] = None,
-            deterministic: bool = False) -> Variant:
+            safeguard: bool = True, backend: Optional[str] = None, deterministic: bool = False) -> Variant:
     """The Variant of a call on q-like x (its GPU, dtype, head dim). backend=None: the defaults of
     README's `backend` row, each measured fastest where it is taken; the tl backward with
-    deterministic=True. Without a plan the safeguard modes, and the refusals that depend on them,
-    are not known (None)."""
+    deterministic=True. Without a plan the safeguard modes (None), and refusals they decide, are unknown."""
     r, D = _RECIPES[recipe], x.shape[-1]
     row = TILES.get(D)
     if row is None:
@@ -1274,8 +1262,7 @@ def _kv_pointers(K, KB, EK, V, EV, KS, EKS, VS, EVS, row, hk, kd_start, k_len, H
 
 @triton.jit
 def _fwd_state(BLOCK_M: tl.constexpr, D: tl.constexpr):
-    """A query tile's running state: O's accumulator acc, the row sum l, the row max m and V's
-    reference exponent ref (2^(8 - ref) stays finite)."""
+    """The running (acc, l, m, ref): O, row sum, row max, V's reference exponent (2^(8 - ref) finite)."""
     return (tl.zeros((BLOCK_M, D), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
             tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.full((BLOCK_M,), -100, tl.int32))
 
@@ -1298,8 +1285,7 @@ def _fwd_store(state, O, LSE, offs_m, qmask, h, H, T_Q, D: tl.constexpr, QUANT: 
 # through tl.dot with the scales outside the MMA. One step = one key tile at document-local offset
 # start_n; ek, ev are its scales, loaded one step ahead: Triton software-pipelines only the loads
 # that feed a dot, so the step issues the next tile's scale loads first and their latency hides
-# behind this tile's MMAs. ONE_SCALE: ek, ev are scalars, folded into per-row factors (two
-# multiplies per element of S saved).
+# behind this tile's MMAs. ONE_SCALE: scalar ek, ev join the row factors (2 multiplies/entry of S saved).
 @triton.jit
 def _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, K, EK, V, EV, KS, EKS, VS, EVS, k_len,
                    v_len, HK, stride_vd, stride_vt, D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -1347,8 +1333,7 @@ def _attn_fwd(
                 mask=qmask[:, None], other=0.0)
     qscale = tl.full((BLOCK_M,), sm_scale_log2, tl.float32)  # S's row factor, and Q's scale:
     if QUANT:
-        eq = _q_exponents(EQ, row, h, q_start, q_end, qd_start, T_QPAD, BLOCK_M, False)
-        qscale *= _exp2_int(eq.to(tl.int32))
+        qscale *= _exp2_int(_q_exponents(EQ, row, h, q_start, q_end, qd_start, T_QPAD, BLOCK_M, False))
         if K_FORMAT == "fp4_decoded":  # K is bf16: E4M3 -> bf16 is exact
             q = q.to(tl.bfloat16)
     K, KB, EK, V, EV, KS, EKS, VS, EVS, v_len = _kv_pointers(
@@ -1486,8 +1471,7 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
     k_tok = (ops.k_tok, ops.k_tok_exp) if var.copies and not var.recipe.k_fp4 else (k_data, ops.k_exp)
     v_tok = (ops.v_tok_t, ops.v_tok_exp) if var.copies else (ops.v_t, ops.v_exp)
     operands = (ops.q, ops.q_exp, k_data, ops.k_block, ops.k_exp, ops.v_t, ops.v_exp, *k_tok, *v_tok)
-    if var.tma and q.is_cuda:  # the kernel writes its TMA descriptors to global scratch (on the
-        # current device and stream, where Triton launches)
+    if var.tma and q.is_cuda:  # TMA descriptors' global scratch: where Triton launches (device, stream)
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     if tiles.shape[0] > 0:
         var.kernel[(tiles.shape[0], H)](
