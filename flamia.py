@@ -617,8 +617,7 @@ def _quantizer_input(x, plan: Plan, side: str, name: str = "x") -> torch.Tensor:
         raise ValueError(f"side must be 'q' or 'k', got {side!r}")
     total = plan.total_q if side == "q" else plan.total_k
     if x.shape[0] != total:
-        raise ValueError(f"{name} has {x.shape[0]} tokens but the plan's cu_seqlens_{side} ends at "
-                         f"{total}")
+        raise ValueError(f"{name} has {x.shape[0]} tokens but the plan's cu_seqlens_{side} ends at {total}")
     if x.device != plan.device:
         raise ValueError(f"{name} is on {x.device} but the plan is on {plan.device}")
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -675,8 +674,7 @@ def quantize_mxfp8_launch(x: torch.Tensor, plan: Plan, block_tokens: int = 1, si
                              "the same documents")
         xq = _quantizer_input(queries, plan, side, "queries")
         if xq.shape[2] != D or xq.shape[1] % H != 0:
-            raise ValueError(f"queries has shape {tuple(xq.shape)}, expected ({T}, a multiple of "
-                             f"{H}, {D})")
+            raise ValueError(f"queries has shape {tuple(xq.shape)}, expected ({T}, a multiple of {H}, {D})")
         out_q = alloc(xq, False, False)
     tiles = plan.tiles(QUANT_TILE, side, causal=False, skip_masked=False)
     if tiles.shape[0] > 0:
