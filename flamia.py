@@ -72,11 +72,10 @@ def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
 
 
 # FP4 elements are E2M1 (+-{0, .5, 1, 1.5, 2, 3, 4, 6}), two per byte, first in the low nibble.
-# NVFP4: an E4M3 scale per 16 elements along the head dim and a second-level FP32 scale. The usual
-# second level is ONE amax over the whole tensor: a statistic over every token of every document,
-# which leaks across time and documents. Here it is per token and head: s2 = amax / (448 * 6).
-# MXFP4 (OCP MX, what tl.dot_scaled("e2m1") takes): an E8M0 scale per 32 elements by MXFP8's rule
-# for E2M1's maximum 6, no second level (s2 = 1).
+# NVFP4: an E4M3 scale per 16 elements along the head dim and a second-level FP32 scale, usually ONE
+# amax over the whole tensor: a statistic over every token of every document, which leaks across
+# time and documents. Here it is per token and head: s2 = amax / (448 * 6). MXFP4 (OCP MX, what
+# tl.dot_scaled("e2m1") takes): an E8M0 scale per 32 elements by MXFP8's rule for E2M1's max 6, s2 = 1.
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """Round-to-nearest-even onto the E2M1 grid, saturating at 6. Returns uint8 codes 0..15
     (bit 3 = sign, bits 0-2 = magnitude index into E2M1_VALUES)."""
@@ -89,53 +88,49 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
-    lut = torch.tensor(E2M1_VALUES, device=code.device)
-    mag = lut[(code & 7).long()]
-    return torch.where((code & 8) != 0, -mag, mag)
+    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=code.device)  # bit 3: sign
+    return lut[code.long()]
 
 
-def quantize_nvfp4_reference(x: torch.Tensor):
-    """x: (T, H, D) -> (packed (T, H, D//2) uint8, block scales (T, H, D//16) float8_e4m3fn,
-    per-token second-level scale (T, H) fp32)."""
+def quantize_fp4_reference(x: torch.Tensor, fmt: str = "nvfp4"):
+    """x: (T, H, D) -> (packed (T, H, D//2) uint8; block scales: NVFP4's (T, H, D//16) float8_e4m3fn
+    or MXFP4's (T, H, D//32) uint8 E8M0; second-level scale s2 (T, H) fp32: NVFP4's per token, ones
+    for MXFP4, so that MXFP4 travels through NVFP4's code paths)."""
     _check_tensor(x, "x")
     T, H, D = x.shape
     xf = x.float()
-    amax_tok = xf.abs().amax(-1)  # (T, H)
-    # Divide by tensors, not Python scalars: CUDA torch turns `x / scalar` into x * (1 / scalar),
-    # which is not the correctly rounded quotient the Triton quantizer (div_rn) and the CPU compute.
-    s2 = amax_tok / torch.full_like(amax_tok, E4M3_MAX * E2M1_MAX)
-    s2 = torch.where(s2 > 0, s2, torch.ones_like(s2))  # all-zero token: any scale, codes are 0
-    xb = xf.view(T, H, D // NVFP4_BLOCK, NVFP4_BLOCK)
-    amax_b = xb.abs().amax(-1)
-    sb = (amax_b / torch.full_like(amax_b, E2M1_MAX) / s2[..., None]).clamp(max=E4M3_MAX)
-    sb = sb.to(torch.float8_e4m3fn)
-    denom = sb.float() * s2[..., None]
-    denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+    if fmt == "mxfp4":
+        xb = xf.view(T, H, D // MXFP4_BLOCK, MXFP4_BLOCK)
+        sb = e8m0_exponent(xb.abs().amax(-1), E2M1_MAX)
+        denom, s2 = e8m0_to_float(sb), torch.ones(T, H, device=x.device)  # NaN block -> codes 0
+    else:
+        amax_tok = xf.abs().amax(-1)  # (T, H)
+        # Divide by tensors, not Python scalars: CUDA torch turns `x / scalar` into x * (1 / scalar),
+        # which is not the correctly rounded quotient the Triton quantizer (div_rn) and the CPU compute.
+        s2 = amax_tok / torch.full_like(amax_tok, E4M3_MAX * E2M1_MAX)
+        s2 = torch.where(s2 > 0, s2, torch.ones_like(s2))  # all-zero token: any scale, codes are 0
+        xb = xf.view(T, H, D // NVFP4_BLOCK, NVFP4_BLOCK)
+        amax_b = xb.abs().amax(-1)
+        sb = (amax_b / torch.full_like(amax_b, E2M1_MAX) / s2[..., None]).clamp(max=E4M3_MAX)
+        sb = sb.to(torch.float8_e4m3fn)
+        denom = sb.float() * s2[..., None]
+        denom = torch.where(denom > 0, denom, torch.ones_like(denom))
     codes = e2m1_encode(xb / denom[..., None]).view(T, H, D)
     return codes[..., 0::2] | (codes[..., 1::2] << 4), sb, s2
 
 
-def quantize_mxfp4_reference(x: torch.Tensor):
-    """x: (T, H, D) -> (packed (T, H, D//2) uint8, E8M0 exponents (T, H, D//32) uint8, second-level
-    scale (T, H) of ones, so that MXFP4 travels through NVFP4's code paths)."""
-    _check_tensor(x, "x")
-    T, H, D = x.shape
-    xb = x.float().view(T, H, D // MXFP4_BLOCK, MXFP4_BLOCK)
-    e = e8m0_exponent(xb.abs().amax(-1), E2M1_MAX)
-    codes = e2m1_encode(xb / e8m0_to_float(e)[..., None]).view(T, H, D)  # NaN block -> codes 0
-    return codes[..., 0::2] | (codes[..., 1::2] << 4), e, torch.ones(T, H, device=x.device)
-
-
-def dequantize_fp4(packed: torch.Tensor, block_scale: torch.Tensor, s2=None) -> torch.Tensor:
-    """NVFP4 (E4M3 block scales) or MXFP4 (uint8 E8M0 block scales) back to fp32, (T, H, D).
-    s2: the (T, H) second-level scale; None leaves it out (code x block scale is exact in bf16)."""
+def dequantize_fp4(packed: torch.Tensor, block_scale: torch.Tensor, s2=None, dtype=torch.float32):
+    """NVFP4 (E4M3 block scales) or MXFP4 (uint8 E8M0 block scales) back to `dtype`, (T, H, D).
+    s2: the (T, H) second-level scale; None leaves it out (the kernels' fp32 factor): code x block
+    scale is exact in bf16 (6 significant bits); fp16 is clamped (MXFP4's can pass its maximum)."""
     T, H, D2 = packed.shape
     codes = torch.stack([packed & 15, packed >> 4], dim=-1).view(T, H, 2 * D2)
     n_blocks = block_scale.shape[-1]
     vals = e2m1_decode(codes).view(T, H, n_blocks, 2 * D2 // n_blocks)  # (no -1: T may be 0)
     sb = e8m0_to_float(block_scale) if block_scale.dtype == torch.uint8 else block_scale.float()
     x = (vals * sb[..., None]).view(T, H, 2 * D2)
-    return x if s2 is None else x * s2[..., None]
+    x = x if s2 is None else x * s2[..., None]
+    return (x.clamp(-65504.0, 65504.0) if dtype == torch.float16 else x).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,8 +154,7 @@ PAD_ALIGN = 16  # token-transposed layouts start every document at a multiple of
 class Recipe:
     """What a recipe puts in which format. k_format: "bf16" (not quantized), "e4m3" (MXFP8), or
     "nvfp4" / "mxfp4" (FP4 K). Q and V are MXFP8 in every quantized recipe (every query tile re-reads
-    all of K: K is where FP4's bytes pay); Q is always per token (a scale shared along Q's rows would
-    leak along them)."""
+    all of K: K is where FP4's bytes pay); Q is always per token (a scale shared along its rows leaks)."""
     name: str
     k_format: str
     dot_scaled: bool  # E8M0-only scales: what tl.dot_scaled takes (Blackwell's MX tensor cores)
@@ -202,21 +196,18 @@ def straddles(pos_q: torch.Tensor, pos_k: torch.Tensor, block_tokens: int) -> to
 
 @triton.jit
 def _straddles(pos_q, pos_k, BLOCK_TOKENS: tl.constexpr):
-    """straddles(), in a kernel."""
     return pos_k // BLOCK_TOKENS == pos_q // BLOCK_TOKENS
 
 
 @triton.jit
 def _first_straddling_key(pos_q, BLOCK_TOKENS: tl.constexpr):
-    """The first key that straddles with a query at pos_q >= 0: its block's start. Keys before it are
-    safe with their block scales."""
+    """The first key that straddles with a query at pos_q >= 0: its block's start (earlier keys: safe)."""
     return pos_q // BLOCK_TOKENS * BLOCK_TOKENS
 
 
 @triton.jit
 def _first_safe_query(key_end, BLOCK_TOKENS: tl.constexpr):
-    """The first query position past every block of keys < key_end: from there on, no pair with those
-    keys straddles."""
+    """The first query position past every block of keys < key_end: no later pair with them straddles."""
     return (key_end + BLOCK_TOKENS - 1) // BLOCK_TOKENS * BLOCK_TOKENS
 
 
@@ -299,8 +290,7 @@ class Plan:
         self.max_seqlen_q, self.max_seqlen_k = map(max, zip(*lens))
         pad = lambda offs: [0] + _pad16(torch.tensor(offs).diff()).cumsum(0).tolist()
         self.pad_q, self.pad_k = pad(self.offsets_q), pad(self.offsets_k)
-        self.padded_q = padded_tokens(self.total_q, len(lens))
-        self.padded_k = padded_tokens(self.total_k, len(lens))
+        self.padded_q, self.padded_k = (padded_tokens(n, len(lens)) for n in (self.total_q, self.total_k))
         # Rows that see no key at all (bottom-right causal with Lq > Lk, or an empty key document):
         # their tiles are never launched, so their outputs must start as 0 (and their LSE as -inf).
         self.rows_without_keys = {True: any(lq > lk for lq, lk in lens),
@@ -333,12 +323,6 @@ class Plan:
         for s in ("q", "k") if self.same_documents else (side,):  # self-attention: one read for both
             self._known[id(cu), s] = (weakref.ref(cu), cu._version)
 
-    @classmethod
-    def dense(cls, batch: int, seqlen_q: int, seqlen_k: int, device) -> "Plan":
-        """Plan for (B, S, H, D) inputs: B equal documents, built without any host sync."""
-        cu = lambda s: torch.arange(0, (batch + 1) * s, s, dtype=torch.int32)
-        return cls(cu(seqlen_q), cu(seqlen_k), device=device)
-
     def tiles(self, block: int, side: str, causal: bool = True, skip_masked: bool = True):
         """(n_tiles, 8) int32 tile table of `block`-token tiles of the `side` ("q" or "k")
         documents, heaviest work first, on the plan's device (cached). skip_masked=False keeps
@@ -369,9 +353,7 @@ class Plan:
         return self._tables[key]
 
 
-def flamia_plan(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor = None, device=None) -> Plan:
-    """The Plan of a batch: build it once and pass it as plan= to every layer."""
-    return Plan(cu_seqlens_q, cu_seqlens_k, device=device)
+flamia_plan = Plan  # the Plan of a batch: build it once and pass it as plan= to every layer
 
 
 def padded_tokens(total: int, n_docs: int) -> int:
@@ -383,10 +365,10 @@ def padded_tokens(total: int, n_docs: int) -> int:
 
 
 def _doc_index(cu_seqlens: torch.Tensor, total: int):
-    """(T,) index of the document holding each token, and that document's first token."""
+    """(T,) index of the document holding each token, and the token's position in it."""
     t = torch.arange(total, device=cu_seqlens.device)
     doc = torch.searchsorted(cu_seqlens.long(), t, right=True) - 1  # skips empty documents
-    return doc, cu_seqlens.long()[doc]
+    return doc, t - cu_seqlens.long()[doc]
 
 
 def padded_columns(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -394,16 +376,15 @@ def padded_columns(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     token-transposed data (H, D, T_padded)): every document starts at a multiple of PAD_ALIGN
     columns, its padding up to the next multiple holds an all-zero token (exponent 1), and columns
     past the last document's padding are never written. On cu_seqlens' device, no host sync."""
-    doc, start = _doc_index(cu_seqlens, total)
-    cu = cu_seqlens.long()
-    pad_start = torch.cat([cu.new_zeros(1), torch.cumsum(_pad16(cu[1:] - cu[:-1]), 0)])
-    return pad_start[doc] + torch.arange(total, device=cu.device) - start
+    doc, pos = _doc_index(cu_seqlens, total)
+    pad_start = torch.cat([pos.new_zeros(1), _pad16(cu_seqlens.long().diff()).cumsum(0)])
+    return pad_start[doc] + pos
 
 
 def token_block_start(cu_seqlens: torch.Tensor, total: int, block_tokens: int) -> torch.Tensor:
     """(T,) int64: the first token of each token's scale block (document-local)."""
-    _, start = _doc_index(cu_seqlens, total)
-    return start + (torch.arange(total, device=start.device) - start) // block_tokens * block_tokens
+    _, pos = _doc_index(cu_seqlens, total)
+    return torch.arange(total, device=pos.device) - pos % block_tokens
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,9 +417,8 @@ class MXFP8(NamedTuple):
 
 
 class FP4(NamedTuple):
-    """A quantized (T, H, D) tensor in NVFP4 or MXFP4: packed E2M1 (T, H, D/2) uint8; block
-    scales (T, H, D/16) float8_e4m3fn (NVFP4) or (T, H, D/32) uint8 E8M0 (MXFP4); second-level
-    scales (H, T) fp32 (ones for MXFP4)."""
+    """A quantized (T, H, D) tensor in NVFP4 or MXFP4: quantize_fp4_reference's packed E2M1 codes,
+    block scales and second-level scales (ones for MXFP4), the latter stored (H, T) fp32."""
     packed: torch.Tensor
     block_scale: torch.Tensor
     s2: torch.Tensor
@@ -478,8 +458,7 @@ def transpose_tokens_reference(data: torch.Tensor, offsets: list) -> torch.Tenso
 
 @triton.jit
 def _scale_exponent(amax, SHIFT: tl.constexpr = 8, MANT: tl.constexpr = 0x600000):
-    """The scale rule on fp32 bits (see e8m0_exponent; defaults: E4M3; (2, 0x400000): E2M1).
-    Returns the E8M0 byte as int32."""
+    """e8m0_exponent on fp32 bits: the E8M0 byte as int32 (defaults: E4M3; (2, 0x400000): E2M1)."""
     bits = amax.to(tl.int32, bitcast=True)
     biased = (bits >> 23) & 0xFF
     e = biased - SHIFT + ((bits & 0x7FFFFF) > MANT).to(tl.int32)
@@ -499,20 +478,9 @@ def _pad16_dev(n):
 
 
 @triton.jit
-def _e4m3_code(v):
-    """The E4M3 byte (as int32) of fp32 v, |v| <= 448 or NaN, rounded to nearest even, by integer
-    arithmetic on the fp32 bits: the interpreter's twin of _e4m3_word's PTX."""
-    bits = v.to(tl.int32, bitcast=True)
-    a = tl.minimum(bits & 0x7FFFFFFF, 0x43E00000)  # |v|, saturated at 448 (E4M3's largest normal)
-    # normal range (|v| >= 2^-6): the exponent and 3 mantissa bits, RNE (a carry enters the exponent)
-    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - ((127 - 7) << 3)
-    # subnormal range: |v| in multiples of 2^-9, RNE: the significand shifted right by 141 - exp
-    shift = tl.minimum(tl.maximum(141 - (a >> 23), 1), 31)
-    full = (a & 0x7FFFFF) | 0x800000
-    sub = (full + (1 << (shift - 1)) - 1 + ((full >> shift) & 1)) >> shift
-    code = tl.where(a >= 0x3C800000, normal, sub)  # 0x3C800000 = 2^-6
-    code = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7F, code)  # NaN
-    return code | ((bits >> 24) & 0x80)  # sign
+def _e4m3_byte(v):
+    """The E4M3 byte (as int32) of fp32 v by Triton's cast."""
+    return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
 
 
 @triton.jit
@@ -520,14 +488,14 @@ def _e4m3_word(v0, v1, v2, v3, PTX_CVT: tl.constexpr):
     """The E4M3 bytes of four fp32 tensors (|v| <= 448 or NaN, RNE) packed into one little-endian
     int32, v0 in the low byte. Triton's own `.to(tl.float8e4nv)` miscompiled with Triton 3.6 on the
     H200 where the bytes feed two stores (foreign bytes in whole rows, triton-lang/triton#11111),
-    so on the GPU the word comes from the PTX instruction itself (bit-exact, and faster than the
-    integer encoder); the interpreter, which runs no PTX, uses _e4m3_code."""
+    so on the GPU the word comes from the PTX instruction itself (bit-exact); the interpreter runs no
+    PTX, and its cast is right (section 8 makes it torch's)."""
     if PTX_CVT:
         return tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
             "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
             "=r,f,f,f,f", [v0, v1, v2, v3], dtype=tl.int32, is_pure=True, pack=1)
-    return _e4m3_code(v0) | (_e4m3_code(v1) << 8) | (_e4m3_code(v2) << 16) | (_e4m3_code(v3) << 24)
+    return _e4m3_byte(v0) | (_e4m3_byte(v1) << 8) | (_e4m3_byte(v2) << 16) | (_e4m3_byte(v3) << 24)
 
 
 @triton.jit
@@ -649,8 +617,7 @@ def _quantizer_input(x, plan: Plan, side: str, name: str = "x") -> torch.Tensor:
         raise ValueError(f"side must be 'q' or 'k', got {side!r}")
     total = plan.total_q if side == "q" else plan.total_k
     if x.shape[0] != total:
-        raise ValueError(f"{name} has {x.shape[0]} tokens but the plan's cu_seqlens_{side} ends at "
-                         f"{total}")
+        raise ValueError(f"{name} has {x.shape[0]} tokens but the plan's cu_seqlens_{side} ends at {total}")
     if x.device != plan.device:
         raise ValueError(f"{name} is on {x.device} but the plan is on {plan.device}")
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -707,8 +674,7 @@ def quantize_mxfp8_launch(x: torch.Tensor, plan: Plan, block_tokens: int = 1, si
                              "the same documents")
         xq = _quantizer_input(queries, plan, side, "queries")
         if xq.shape[2] != D or xq.shape[1] % H != 0:
-            raise ValueError(f"queries has shape {tuple(xq.shape)}, expected ({T}, a multiple of "
-                             f"{H}, {D})")
+            raise ValueError(f"queries has shape {tuple(xq.shape)}, expected ({T}, a multiple of {H}, {D})")
         out_q = alloc(xq, False, False)
     tiles = plan.tiles(QUANT_TILE, side, causal=False, skip_masked=False)
     if tiles.shape[0] > 0:
@@ -734,8 +700,7 @@ def _e2m1_code(a):
 @triton.jit
 def _quantize_fp4_kernel(X, TILES, P, SB, S2, stride_xt, stride_xh, T,
                          H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, MX: tl.constexpr):
-    """NVFP4 (MX=False) or MXFP4 in one pass, bit-identical to quantize_nvfp4_reference /
-    quantize_mxfp4_reference (IEEE-rounded divisions, like torch)."""
+    """NVFP4 (MX=False) or MXFP4 in one pass, bit-identical to quantize_fp4_reference (div_rn, as torch)."""
     x, amax, offs_t, end, h = _load_quant_tile(X, TILES, stride_xt, stride_xh, D, BLOCK_T)
     if MX:  # E8M0 per 32 elements; the second level is 1
         NB: tl.constexpr = D // 32
@@ -766,8 +731,7 @@ def _quantize_fp4_kernel(X, TILES, P, SB, S2, stride_xt, stride_xh, T,
 
 
 def quantize_fp4(x: torch.Tensor, plan: Plan, fmt: str = "nvfp4", side: str = "q") -> FP4:
-    """Fused Triton FP4 quantizer: one launch, x (T, H, D) read once, into fmt "nvfp4" or "mxfp4"
-    (see quantize_nvfp4_reference / quantize_mxfp4_reference)."""
+    """Fused Triton quantize_fp4_reference of x (T, H, D) into fmt: one launch, x read once."""
     x = _quantizer_input(x, plan, side)
     if fmt not in ("nvfp4", "mxfp4"):
         raise ValueError(f"fmt must be 'nvfp4' or 'mxfp4', got {fmt!r}")
@@ -791,21 +755,16 @@ def quantize_fp4(x: torch.Tensor, plan: Plan, fmt: str = "nvfp4", side: str = "q
 # matrix with random column signs spreads every channel over all D. We multiply by the
 # UNNORMALIZED +-1 matrix (exact in bf16; 1/sqrt(128) is not) and divide the softmax scale by D (a
 # power of two: exact). It acts along the head dim only: no statistic crosses tokens, no leak.
-_HADAMARD = {}
-
-
+@functools.lru_cache(maxsize=None)  # one per head dim and device
 def qk_rotation(head_dim: int, device=None) -> torch.Tensor:
     """The (D, D) +-1 matrix H diag(signs), H H^T = D I (Sylvester Hadamard, fixed random signs)."""
     if head_dim & (head_dim - 1):
         raise ValueError(f"rotate_qk needs a power-of-two head_dim, got {head_dim}")
-    key = (head_dim, str(device))
-    if key not in _HADAMARD:
-        h = torch.ones(1, 1)
-        while h.shape[0] < head_dim:
-            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-        signs = torch.randint(0, 2, (head_dim,), generator=torch.Generator().manual_seed(0)) * 2 - 1
-        _HADAMARD[key] = (h * signs).to(device)
-    return _HADAMARD[key]
+    h = torch.ones(1, 1)
+    while h.shape[0] < head_dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    signs = torch.randint(0, 2, (head_dim,), generator=torch.Generator().manual_seed(0)) * 2 - 1
+    return (h * signs).to(device)
 
 
 def _rotate_qk(q, k, softmax_scale):
@@ -829,8 +788,7 @@ def _fake_quant(x: torch.Tensor, cu_seqlens: torch.Tensor, block_tokens: int, fm
     if fmt == "e4m3":
         deq = quantize_mxfp8_reference(x.detach(), cu_seqlens, block_tokens).dequantize(cu_seqlens)
     else:
-        quantize = quantize_nvfp4_reference if fmt == "nvfp4" else quantize_mxfp4_reference
-        deq = dequantize_fp4(*quantize(x.detach()))
+        deq = dequantize_fp4(*quantize_fp4_reference(x.detach(), fmt))
     x = x.float()
     return deq + (x - x.detach())
 
@@ -867,12 +825,10 @@ def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True
     q, k, v, k_tok, v_tok = (x.to(cdt) for x in (q, k, v, k_tok, v_tok))
     if Hk != H:  # GQA / MQA: each K/V head serves H // Hk consecutive query heads
         k, v, k_tok, v_tok = (x.repeat_interleave(H // Hk, dim=1) for x in (k, v, k_tok, v_tok))
-    doc_q, start_q = _doc_index(cu_seqlens_q, Tq)
-    doc_k, start_k = _doc_index(cu_seqlens_k, Tk)
-    lens_q, lens_k = cu_seqlens_q.diff().long(), cu_seqlens_k.diff().long()
+    (doc_q, pos_q), (doc_k, pos_k) = _doc_index(cu_seqlens_q, Tq), _doc_index(cu_seqlens_k, Tk)
     # Position of each query on its document's key axis (bottom-right alignment).
-    pos_q = (torch.arange(Tq, device=q.device) - start_q + (lens_k - lens_q)[doc_q])[:, None]
-    pos_k = (torch.arange(Tk, device=q.device) - start_k)[None, :]
+    pos_q = (pos_q + (cu_seqlens_k.diff() - cu_seqlens_q.diff()).long()[doc_q])[:, None]
+    pos_k = pos_k[None, :]
     visible = doc_q[:, None] == doc_k[None, :]
     if causal:
         visible &= pos_k <= pos_q
@@ -989,12 +945,10 @@ def _backend_refusal(r: Recipe, backend: Optional[str]) -> Optional[str]:
 
 
 def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool = True,
-            safeguard: bool = True, backend: Optional[str] = None,
-            deterministic: bool = False) -> Variant:
+            safeguard: bool = True, backend: Optional[str] = None, deterministic: bool = False) -> Variant:
     """The Variant of a call on q-like x (its GPU, dtype, head dim). backend=None: the defaults of
     README's `backend` row, each measured fastest where it is taken; the tl backward with
-    deterministic=True. Without a plan the safeguard modes, and the refusals that depend on them,
-    are not known (None)."""
+    deterministic=True. Without a plan the safeguard modes (None), and refusals they decide, are unknown."""
     r, D = _RECIPES[recipe], x.shape[-1]
     row = TILES.get(D)
     if row is None:
@@ -1003,30 +957,32 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
     copies = _token_copies(r, causal, safeguard, block_tokens)
     mode = lambda blocks: (None if plan is None else "off" if not copies else
                            "tile" if _tile_safeguard(plan, block_tokens, *blocks) else "pair")
-    gluon_tiles = lambda: (flamia_hopper.BLOCK_M, 128, 128, None, None)  # its own warps, stages
-    # None when the Gluon forward can compute this call (as far as the plan tells), else why not
-    gluon_refusal = lambda: gluon_unavailable_reason() or (plan and flamia_hopper.unsupported_reason(
-        recipe, x.dtype, mode(gluon_tiles()[:2])))
+    # The Gluon forward's and dK/dV's tiles (their own warps, stages), and why the Gluon kernel with
+    # such tiles cannot compute this call (None: it can, as far as the plan tells)
+    gluon_fwd = lambda: (flamia_hopper.BLOCK_M, 128, 128, None, None)
+    gluon_dkdv = lambda: (64, flamia_hopper.BWD_BLOCK_N, None, None)
+    gluon_refusal = lambda tiles: gluon_unavailable_reason() or (plan and flamia_hopper.unsupported_reason(
+        recipe, x.dtype, mode(tiles()[:2])))
     blackwell = _is_blackwell(x)
     refusal = _backend_refusal(r, backend)
-    backend_requested = backend
+    gluon_bwd = not deterministic and backend in (None, "gluon") and plan is not None
+    why = gluon_refusal(gluon_fwd)
     if backend is None:
         backend = "dot_scaled" if r.dot_scaled and blackwell else "wgmma"
         if (recipe == "mxfp8" and block_tokens % 128 == 0 and D == 128 and x.is_cuda
                 and torch.cuda.get_device_capability(x.device)[0] == 9):
-            why = gluon_refusal()
             if why is None:
                 backend = "gluon"
             elif why not in _SAID:
                 _SAID.add(why)
                 warnings.warn(f"FLAMIA: not using the Gluon forward (the fastest on this GPU for "
                               f"this configuration): {why}; the tl forward computes the same function")
-    elif backend == "gluon" and refusal is None and gluon_refusal():
-        refusal = f"backend='gluon' cannot compute this call: {gluon_refusal()}; use backend='wgmma'"
+    elif backend == "gluon" and refusal is None and why:
+        refusal = f"backend='gluon' cannot compute this call: {why}; use backend='wgmma'"
     if refusal:
         return Variant(r, backend, refusal)
     tma = backend == "dot_scaled" and blackwell
-    fwd = gluon_tiles() if backend == "gluon" else (row.fwd_sm100 if tma else row.fwd)[recipe]
+    fwd = gluon_fwd() if backend == "gluon" else (row.fwd_sm100 if tma else row.fwd)[recipe]
     dkdv, dq = (row.dkdv_sm100 if blackwell else row.dkdv), row.dq
     modes = (mode(fwd[:3]), mode(dkdv[:2]), mode(dq[:2]))
     if modes[2] == "pair":
@@ -1034,11 +990,8 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
     k_format = ("bf16" if not r.quantized else "e4m3" if not r.k_fp4 else
                 "fp4_packed" if backend == "dot_scaled" else "fp4_decoded")
     bwd = "tl"
-    if not deterministic and (backend == "gluon" or backend_requested is None):
-        gluon_dkdv = (64, flamia_hopper.BWD_BLOCK_N, None, None) if flamia_hopper else None
-        if gluon_unavailable_reason() is None and plan is not None and flamia_hopper.unsupported_reason(
-                recipe, x.dtype, mode(gluon_dkdv[:2])) is None:
-            bwd, dkdv, modes = "gluon", gluon_dkdv, (modes[0], mode(gluon_dkdv[:2]), None)
+    if gluon_bwd and not gluon_refusal(gluon_dkdv):  # dQ by fp32 atomics: not deterministic
+        bwd, dkdv, modes = "gluon", gluon_dkdv(), (modes[0], mode(gluon_dkdv()[:2]), None)
     kernel = {"wgmma": _attn_fwd, "dot_scaled": _attn_fwd_blackwell}.get(backend)
     return Variant(r, backend, None, kernel, tma, k_format, copies, fwd, dkdv, dq, modes, bwd)
 
@@ -1196,13 +1149,13 @@ def _visible_pairs(kmask, offs_n, pos_q, BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.
 
 
 @triton.jit
-def _softmax_pv(acc, l_i, m_i, ref_i, s, qscale, ev, visible, same, start_n, V, VS, EVS, v_len,
-                stride_vd, stride_vt, D: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
-                MASKED: tl.constexpr, PAIR_SAFEGUARD: tl.constexpr, ONE_SCALE: tl.constexpr,
-                WORDS: tl.constexpr):
+def _softmax_pv(state, s, qscale, ev, visible, same, start_n, V, VS, EVS, v_len, stride_vd, stride_vt,
+                D: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr,
+                PAIR_SAFEGUARD: tl.constexpr, ONE_SCALE: tl.constexpr, WORDS: tl.constexpr):
     """The online softmax and acc += P V for one key tile's scores s, both kernels': pairs that are
     not `visible` (MASKED tiles) masked out; Q's row factor qscale (> 0) applied inside the exp2's
     FMA, after the row max: max_j(s * qscale) = qscale * max_j(s) exactly."""
+    acc, l_i, m_i, ref_i = state
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qscale)
@@ -1292,10 +1245,8 @@ def _kv_pointers(K, KB, EK, V, EV, KS, EKS, VS, EVS, row, hk, kd_start, k_len, H
     if K_FORMAT != "bf16":
         v_base = tl.multiple_of(tl.load(row + OTHER_PAD), 16)
         v_len = tl.multiple_of(_pad16_dev(k_len), 16)
-    if K_FORMAT == "fp4_packed":
-        k_row = (kd_start * HK + hk) * (D // 2)
-    else:
-        k_row = (kd_start * HK + hk) * D
+    W: tl.constexpr = D // 2 if K_FORMAT == "fp4_packed" else D  # FP4: two E2M1 per byte
+    k_row = (kd_start * HK + hk) * W
     K, KS, KB = K + k_row, KS + k_row, KB + (kd_start * HK + hk) * (D // 32)
     e_row = hk * T_KPAD + v_base
     # K's scale row, the same for K and its per-token copy KS (the safeguard may read either): E8M0
@@ -1309,15 +1260,15 @@ def _kv_pointers(K, KB, EK, V, EV, KS, EKS, VS, EVS, row, hk, kd_start, k_len, H
 
 @triton.jit
 def _fwd_state(BLOCK_M: tl.constexpr, D: tl.constexpr):
-    """The running row max m, sum l, V's reference exponent ref (2^(8 - ref) stays finite) and O."""
-    return (tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
-            tl.full((BLOCK_M,), -100, tl.int32), tl.zeros((BLOCK_M, D), tl.float32))
+    """The running (acc, l, m, ref): O, row sum, row max, V's reference exponent (2^(8 - ref) finite)."""
+    return (tl.zeros((BLOCK_M, D), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
+            tl.full((BLOCK_M,), float("-inf"), tl.float32), tl.full((BLOCK_M,), -100, tl.int32))
 
 
 @triton.jit
-def _fwd_store(acc, l_i, m_i, ref_i, O, LSE, offs_m, qmask, h, H, T_Q, D: tl.constexpr,
-               QUANT: tl.constexpr):
+def _fwd_store(state, O, LSE, offs_m, qmask, h, H, T_Q, D: tl.constexpr, QUANT: tl.constexpr):
     """O = acc / l and the natural-log LSE (-inf, and O = 0, for rows that saw no key)."""
+    acc, l_i, m_i, ref_i = state
     if QUANT:
         acc = acc * _exp2_int(ref_i + 119)[:, None]  # back from units of 2^(ref - 8)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -1332,14 +1283,12 @@ def _fwd_store(acc, l_i, m_i, ref_i, O, LSE, offs_m, qmask, h, H, T_Q, D: tl.con
 # through tl.dot with the scales outside the MMA. One step = one key tile at document-local offset
 # start_n; ek, ev are its scales, loaded one step ahead: Triton software-pipelines only the loads
 # that feed a dot, so the step issues the next tile's scale loads first and their latency hides
-# behind this tile's MMAs. ONE_SCALE: ek, ev are scalars, folded into per-row factors (two
-# multiplies per element of S saved).
+# behind this tile's MMAs. ONE_SCALE: scalar ek, ev join the row factors (2 multiplies/entry of S saved).
 @triton.jit
-def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, qscale, pos_q, start_n,
-                   K, EK, V, EV, KS, EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt,
-                   D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-                   CAUSAL: tl.constexpr, MASKED: tl.constexpr, K_FORMAT: tl.constexpr,
-                   PAIR_SAFEGUARD: tl.constexpr, ONE_SCALE: tl.constexpr):
+def _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, K, EK, V, EV, KS, EKS, VS, EVS, k_len,
+                   v_len, HK, stride_vd, stride_vt, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                   K_FORMAT: tl.constexpr, PAIR_SAFEGUARD: tl.constexpr, ONE_SCALE: tl.constexpr):
     QUANT: tl.constexpr = K_FORMAT != "bf16"
     start_n = tl.multiple_of(start_n, BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)  # document-local key positions
@@ -1359,10 +1308,9 @@ def _attn_fwd_step(acc, l_i, m_i, ref_i, ek, ev, q, qscale, pos_q, start_n,
         ks = _load_keys(KS, start_n, k_len, HK * D, D, BLOCK_N)
         eks = _load_e8m0(EKS, start_n, v_len, 127, BLOCK_N, False)
         s = tl.where(same, tl.dot(q, tl.trans(ks)) * _exp2_int(eks.to(tl.int32))[None, :], s)
-    acc, l_i, m_i, ref_i = _softmax_pv(acc, l_i, m_i, ref_i, s, qscale, ev, visible, same, start_n,
-                                       V, VS, EVS, v_len, stride_vd, stride_vt, D, BLOCK_N, QUANT,
-                                       MASKED, PAIR_SAFEGUARD, ONE_SCALE, False)
-    return acc, l_i, m_i, ref_i, ek_next, ev_next
+    state = _softmax_pv(state, s, qscale, ev, visible, same, start_n, V, VS, EVS, v_len, stride_vd,
+                        stride_vt, D, BLOCK_N, QUANT, MASKED, PAIR_SAFEGUARD, ONE_SCALE, False)
+    return state, ek_next, ev_next
 
 
 @triton.jit
@@ -1383,14 +1331,13 @@ def _attn_fwd(
                 mask=qmask[:, None], other=0.0)
     qscale = tl.full((BLOCK_M,), sm_scale_log2, tl.float32)  # S's row factor, and Q's scale:
     if QUANT:
-        eq = _q_exponents(EQ, row, h, q_start, q_end, qd_start, T_QPAD, BLOCK_M, False)
-        qscale *= _exp2_int(eq.to(tl.int32))
+        qscale *= _exp2_int(_q_exponents(EQ, row, h, q_start, q_end, qd_start, T_QPAD, BLOCK_M, False))
         if K_FORMAT == "fp4_decoded":  # K is bf16: E4M3 -> bf16 is exact
             q = q.to(tl.bfloat16)
     K, KB, EK, V, EV, KS, EKS, VS, EVS, v_len = _kv_pointers(
         K, KB, EK, V, EV, KS, EKS, VS, EVS, row, hk, kd_start, k_len, HK, T_K, T_KPAD, stride_vh,
         stride_vt, D, K_FORMAT)
-    m_i, l_i, ref_i, acc = _fwd_state(BLOCK_M, D)
+    state = _fwd_state(BLOCK_M, D)
     n_full, n_end = _key_range(q_start - qd_start + shift, q_end - qd_start + shift, k_len, BLOCK_N,
                                BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
     # Unmasked key tiles lie inside one scale block when B_t is a multiple of BLOCK_N (both are
@@ -1398,21 +1345,19 @@ def _attn_fwd(
     ONE_SCALE: tl.constexpr = K_FORMAT == "e4m3" and BLOCK_TOKENS % BLOCK_N == 0
     ek, ev = _key_scales(EK, EV, 0, k_len, v_len, BLOCK_N, K_FORMAT, ONE_SCALE, False)
     for start_n in range(0, n_full, BLOCK_N):
-        acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_step(
-            acc, l_i, m_i, ref_i, ek, ev, q, qscale, pos_q, start_n, K, EK, V, EV, KS, EKS, VS,
-            EVS, k_len, v_len, HK, stride_vd, stride_vt, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False,
-            K_FORMAT, False, ONE_SCALE)
+        state, ek, ev = _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, K, EK, V, EV, KS, EKS,
+                                       VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D, BLOCK_N,
+                                       BLOCK_TOKENS, CAUSAL, False, K_FORMAT, False, ONE_SCALE)
     # Masked tiles (the diagonal) are MASKED_N keys wide: narrower tiles there waste fewer masked
     # pairs and keep the mask and safeguard temporaries within the register budget.
     if SAFEGUARD == "tile":  # every masked tile lies in the query tile's own key block
         K, EK, V, EV = KS, EKS, VS, EVS
     ek, ev = _key_scales(EK, EV, n_full, k_len, v_len, MASKED_N, K_FORMAT, False, False)
     for start_n in range(n_full, n_end, MASKED_N):
-        acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_step(
-            acc, l_i, m_i, ref_i, ek, ev, q, qscale, pos_q, start_n, K, EK, V, EV, KS, EKS, VS,
-            EVS, k_len, v_len, HK, stride_vd, stride_vt, D, MASKED_N, BLOCK_TOKENS, CAUSAL, True,
-            K_FORMAT, SAFEGUARD == "pair", False)
-    _fwd_store(acc, l_i, m_i, ref_i, O, LSE, offs_m, qmask, h, H, T_Q, D, QUANT)
+        state, ek, ev = _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, K, EK, V, EV, KS, EKS,
+                                       VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D, MASKED_N,
+                                       BLOCK_TOKENS, CAUSAL, True, K_FORMAT, SAFEGUARD == "pair", False)
+    _fwd_store(state, O, LSE, offs_m, qmask, h, H, T_Q, D, QUANT)
 
 
 # The Blackwell forward (backend="dot_scaled": sm_100's MX tensor cores; elsewhere Triton emulates
@@ -1420,12 +1365,10 @@ def _attn_fwd(
 # E4M3 (e4m3) or E2M1 (fp4_packed, E8M0 block scales KB); with TMA, Q, K, V come through
 # per-document tensor descriptors; E8M0 rows are read in 32-bit words. The same steps as above.
 @triton.jit
-def _attn_fwd_blackwell_step(acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n,
-                             K, KB, EK, V, EV, KS, EKS, VS, EVS, k_len, v_len, HK, stride_vd,
-                             stride_vt, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
-                             MASKED: tl.constexpr, K_FORMAT: tl.constexpr,
-                             PAIR_SAFEGUARD: tl.constexpr):
+def _attn_fwd_blackwell_step(state, ek, ev, q, q_e8, qscale, pos_q, start_n, K, KB, EK, V, EV, KS,
+                             EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
+                             MASKED: tl.constexpr, K_FORMAT: tl.constexpr, PAIR_SAFEGUARD: tl.constexpr):
     start_n = tl.multiple_of(start_n, BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)  # document-local key positions
     kmask = offs_n < k_len
@@ -1444,10 +1387,9 @@ def _attn_fwd_blackwell_step(acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_
         eks = _load_e8m0(EKS, start_n, v_len, 127, BLOCK_N, True)
         s_tok = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(ks), _e8m0_blocks(eks, D), "e4m3")
         s = tl.where(same, s_tok, s)
-    acc, l_i, m_i, ref_i = _softmax_pv(acc, l_i, m_i, ref_i, s, qscale, ev, visible, same, start_n,
-                                       V, VS, EVS, v_len, stride_vd, stride_vt, D, BLOCK_N, True,
-                                       MASKED, PAIR_SAFEGUARD, False, True)
-    return acc, l_i, m_i, ref_i, ek_next, ev_next
+    state = _softmax_pv(state, s, qscale, ev, visible, same, start_n, V, VS, EVS, v_len, stride_vd,
+                        stride_vt, D, BLOCK_N, True, MASKED, PAIR_SAFEGUARD, False, True)
+    return state, ek_next, ev_next
 
 
 @triton.jit
@@ -1471,16 +1413,15 @@ def _attn_fwd_blackwell(Q, EQ, K, KB, EK, V, EV, KS, EKS, VS, EVS, O, LSE, TILES
         stride_vt, D, K_FORMAT)
     n_full, n_end = _key_range(q_start - qd_start + shift, q_end - qd_start + shift, k_len, BLOCK_N,
                                BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
-    m_i, l_i, ref_i, acc = _fwd_state(BLOCK_M, D)
+    state = _fwd_state(BLOCK_M, D)
     K1, V1 = K, V
     if TMA:
         K1, V1 = _kv_descriptors(K, V, k_len, v_len, HK, stride_vd, D, BLOCK_N, K_FORMAT)
     ek, ev = _key_scales(EK, EV, 0, k_len, v_len, BLOCK_N, K_FORMAT, False, True)
     for start_n in range(0, n_full, BLOCK_N):
-        acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_blackwell_step(
-            acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n, K1, KB, EK, V1, EV, KS,
-            EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D, BLOCK_N, BLOCK_TOKENS, CAUSAL,
-            False, K_FORMAT, False)
+        state, ek, ev = _attn_fwd_blackwell_step(
+            state, ek, ev, q, q_e8, qscale, pos_q, start_n, K1, KB, EK, V1, EV, KS, EKS, VS, EVS, k_len,
+            v_len, HK, stride_vd, stride_vt, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False, K_FORMAT, False)
     if SAFEGUARD == "tile":
         K, EK, V, EV = KS, EKS, VS, EVS
     if TMA:  # the masked tiles' boxes are MASKED_N keys wide
@@ -1489,23 +1430,16 @@ def _attn_fwd_blackwell(Q, EQ, K, KB, EK, V, EV, KS, EKS, VS, EVS, O, LSE, TILES
             KS, VS = _kv_descriptors(KS, VS, k_len, v_len, HK, stride_vd, D, MASKED_N, K_FORMAT)
     ek, ev = _key_scales(EK, EV, n_full, k_len, v_len, MASKED_N, K_FORMAT, False, True)
     for start_n in range(n_full, n_end, MASKED_N):
-        acc, l_i, m_i, ref_i, ek, ev = _attn_fwd_blackwell_step(
-            acc, l_i, m_i, ref_i, ek, ev, q, q_e8, qscale, pos_q, start_n, K, KB, EK, V, EV, KS,
-            EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D, MASKED_N, BLOCK_TOKENS, CAUSAL,
-            True, K_FORMAT, SAFEGUARD == "pair")
-    _fwd_store(acc, l_i, m_i, ref_i, O, LSE, offs_m, qmask, h, H, T_Q, D, True)
-
-
-def _decode_fp4(ops, dtype: torch.dtype) -> torch.Tensor:
-    """FP4 K as code x block scale in `dtype` (exact: 6 significant bits), without the second level
-    s2 (the kernels' fp32 factor); fp16 clamped (MXFP4's rounding can pass fp16's maximum)."""
-    x = dequantize_fp4(ops.k, ops.k_block)
-    return (x.clamp(-65504.0, 65504.0) if dtype == torch.float16 else x).to(dtype)
+        state, ek, ev = _attn_fwd_blackwell_step(
+            state, ek, ev, q, q_e8, qscale, pos_q, start_n, K, KB, EK, V, EV, KS, EKS, VS, EVS, k_len,
+            v_len, HK, stride_vd, stride_vt, D, MASKED_N, BLOCK_TOKENS, CAUSAL, True, K_FORMAT,
+            SAFEGUARD == "pair")
+    _fwd_store(state, O, LSE, offs_m, qmask, h, H, T_Q, D, True)
 
 
 def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_scale, block_tokens):
-    """Launch the forward (tl or Gluon) on the quantized operands `ops` (section 6's Operands;
-    unused for bf16). Returns (o, lse)."""
+    """Launch the forward (tl or Gluon) on the quantized operands `ops` (section 6's Operands; bf16:
+    q, k, v in its slots, the others unused). Returns (o, lse)."""
     Tq, H, D = q.shape
     Tk, HK = k.shape[:2]
     empty_rows = plan.rows_without_keys[causal]
@@ -1514,12 +1448,12 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
            else torch.empty(H, Tq, device=q.device))
     tiles = plan.tiles(var.fwd[0], "q", causal)
     if not var.recipe.quantized:
-        q, k, v = (x.contiguous() for x in (q, k, v))
+        ops = ops._replace(q=q.contiguous(), k=k.contiguous(), v_t=v.contiguous())
     if var.backend == "gluon":
         kw = dict(softmax_scale=softmax_scale, causal=causal, recipe=var.recipe.name,
                   block_tokens=block_tokens)
         if not var.recipe.quantized:
-            return flamia_hopper.attn_fwd(q, None, k, None, v, None, o, lse, tiles, **kw)
+            return flamia_hopper.attn_fwd(ops.q, None, ops.k, None, ops.v_t, None, o, lse, tiles, **kw)
         per_token = ((ops.k_tok, ops.k_tok_exp, ops.v_tok_t, ops.v_tok_exp) if var.modes[0] == "tile"
                      else None)
         # v_len: the token-transposed V ends at the last document's padding; the tail of the buffer
@@ -1527,16 +1461,15 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
         return flamia_hopper.attn_fwd(ops.q, ops.q_exp, ops.k, ops.k_exp, ops.v_t, ops.v_exp, o, lse,
                                       tiles, per_token=per_token, v_len=plan.pad_k[-1], **kw)
     BLOCK_M, BLOCK_N, MASKED_N, warps, stages = var.fwd
-    strides_v = (D * plan.padded_k, plan.padded_k, 1)  # (H, D, T_pad) token-transposed
-    if not var.recipe.quantized:  # bf16 in the same slots (the others unused), V as it is
-        ops, strides_v = ops._replace(q=q, k=k, v_t=v), (D, 1, HK * D)  # (T, H, D)
-    k_data = _decode_fp4(ops, torch.bfloat16) if var.k_format == "fp4_decoded" else ops.k
+    # V token-transposed (H, D, T_pad) if fp8, bf16 V as it is (T, H, D)
+    strides_v = (D * plan.padded_k, plan.padded_k, 1) if var.recipe.quantized else (D, 1, HK * D)
+    k_data = (dequantize_fp4(ops.k, ops.k_block, dtype=torch.bfloat16) if var.k_format == "fp4_decoded"
+              else ops.k)
     # Per-token copies where the safeguard is on; FP4 K is per token, its own copy.
     k_tok = (ops.k_tok, ops.k_tok_exp) if var.copies and not var.recipe.k_fp4 else (k_data, ops.k_exp)
     v_tok = (ops.v_tok_t, ops.v_tok_exp) if var.copies else (ops.v_t, ops.v_exp)
     operands = (ops.q, ops.q_exp, k_data, ops.k_block, ops.k_exp, ops.v_t, ops.v_exp, *k_tok, *v_tok)
-    if var.tma and q.is_cuda:  # the kernel writes its TMA descriptors to global scratch (on the
-        # current device and stream, where Triton launches)
+    if var.tma and q.is_cuda:  # TMA descriptors' global scratch: where Triton launches (device, stream)
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     if tiles.shape[0] > 0:
         var.kernel[(tiles.shape[0], H)](
@@ -1823,7 +1756,7 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
     deq = lambda side, *mxfp8: _dequantize(MXFP8(*mxfp8), q.dtype, plan, side)
     if r.quantized:  # bf16 kernels on the exactly dequantized operands (see the section comment)
         q, v = deq("q", ops.q, ops.q_exp), deq("k", None, ops.v_exp, ops.v_t)
-        k = _decode_fp4(ops, q.dtype) if r.k_fp4 else deq("k", ops.k, ops.k_exp)
+        k = dequantize_fp4(ops.k, ops.k_block, dtype=q.dtype) if r.k_fp4 else deq("k", ops.k, ops.k_exp)
     else:
         q, k, v = (x.contiguous() for x in (q, k, v))
     ks = deq("k", ops.k_tok, ops.k_tok_exp) if var.copies and not r.k_fp4 else k
@@ -1898,7 +1831,10 @@ def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, c
     return Operands(*(p if p is not None else unused() for p in parts))
 
 
-_dense_plan = functools.cache(Plan.dense)  # the Plans of flamia_attn_func's calls, by shape and device
+@functools.cache  # the Plans of flamia_attn_func's calls, by shape and device
+def _dense_plan(batch: int, seqlen_q: int, seqlen_k: int, device) -> Plan:
+    cu = lambda s: torch.arange(0, (batch + 1) * s, s, dtype=torch.int32)  # on the host: no GPU sync
+    return Plan(cu(seqlen_q), cu(seqlen_k), device=device)
 
 
 def _plan_for(cu_q: torch.Tensor, cu_k: torch.Tensor, dense: list) -> Plan:

@@ -428,35 +428,6 @@ def _poison_allocator(nbytes=1 << 22):
     torch.full((nbytes,), 0x7F, dtype=torch.uint8, device=DEVICE)
 
 
-@triton.jit
-def _e4m3_code_kernel(X, Y, N, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(Y + offs, flamia._e4m3_code(tl.load(X + offs, mask=offs < N)), mask=offs < N)
-
-
-def test_e4m3_integer_encoder_matches_torch_cast():
-    """flamia._e4m3_code (the integer E4M3 encoder the quantizer uses where the fp8 cast miscompiled on
-    the H200) == torch's round-to-nearest-even cast, byte for byte, on: every finite E4M3 value, every
-    midpoint between neighbours (ties go to the even code), those midpoints one fp32 ulp either side,
-    the subnormal and 2^-6 boundaries, +-0, 448, NaN, and random values over 2^-24..448 of both signs."""
-    codes = torch.arange(256, dtype=torch.uint8).view(F8).float()
-    grid = codes[(codes >= 0) & torch.isfinite(codes)].unique()  # 0 .. 448, sorted
-    mid = (grid[1:] + grid[:-1]) / 2  # exact in fp32
-    ulp = lambda v, d: torch.nextafter(v, torch.full_like(v, d))
-    gen = torch.Generator().manual_seed(11)
-    rnd = torch.rand(4096, generator=gen) * torch.exp2(torch.randint(-24, 9, (4096,), generator=gen).float())
-    edges = torch.tensor([0.0, 2.0 ** -10, 2.0 ** -9, 2.0 ** -6, 448.0, 2.0 ** -30, 1.5 * 2.0 ** -10])
-    pos = torch.cat([grid, mid, ulp(mid, 0.0), ulp(mid, 1e3), edges, ulp(edges[1:], 0.0), ulp(edges[1:], 1e3),
-                     rnd.clamp(max=448.0)])
-    x = torch.cat([pos, -pos, torch.tensor([-0.0, float("nan")])])
-    want = x.to(F8).view(torch.uint8).to(torch.int32)
-    y = torch.empty(x.numel(), dtype=torch.int32, device=DEVICE)
-    _e4m3_code_kernel[(triton.cdiv(x.numel(), 1024),)](x.to(DEVICE), y, x.numel(), BLOCK=1024)
-    bad = (y.cpu() != want).nonzero().flatten()
-    assert bad.numel() == 0, (f"{bad.numel()} of {x.numel()} codes differ, e.g. x={x[bad[:4]].tolist()}: "
-                              f"got {y.cpu()[bad[:4]].tolist()}, torch {want[bad[:4]].tolist()}")
-
-
 @pytest.mark.parametrize("bt", [1, 32, 64, 128])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
@@ -592,11 +563,11 @@ def test_triton_quantizer_nonfinite(bad):
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 def test_triton_fp4_quantizer_bit_identical(dtype, D, fmt):
-    """quantize_fp4 (Triton, fmt "nvfp4" / "mxfp4") == quantize_nvfp4_reference / quantize_mxfp4_reference
+    """quantize_fp4 (Triton, fmt "nvfp4" / "mxfp4") == quantize_fp4_reference
     byte for byte: packed E2M1 codes, block scales (E4M3 / E8M0) and the FP32 per-token scales (stored
     (H, T) by the kernel, (T, H) by the reference), on wide-range data, for self- and key-side layouts
     with empty documents."""
-    reference = flamia.quantize_nvfp4_reference if fmt == "nvfp4" else flamia.quantize_mxfp4_reference
+    reference = functools.partial(flamia.quantize_fp4_reference, fmt=fmt)
     gen = torch.Generator().manual_seed(16 + D)
     for li, lens in enumerate(QUANT_LAYOUTS):
         cu = cu_of(lens)
@@ -676,7 +647,7 @@ def _e2m1_half_ulp(y):
 
 
 def test_nvfp4_round_trip_and_packing():
-    """quantize_nvfp4_reference / dequantize_fp4.
+    """quantize_fp4_reference (NVFP4) / dequantize_fp4.
     Error bound (derived): the block scale is sb = E4M3(amax_b / (6 s2)) and the element is coded as
     y = |x| / (sb s2) on the E2M1 grid. E2M1 RNE errs by at most half the local grid spacing, so
     |deq - x| <= half_ulp(y) * sb * s2. E4M3 rounding of sb (relative <= 2^-4 for a normal sb) can push
@@ -696,7 +667,7 @@ def test_nvfp4_round_trip_and_packing():
         blk, rest = x[t, h, 16 * b:16 * b + 16], torch.cat([x[t, h, :16 * b], x[t, h, 16 * b + 16:]])
         x[t, h, 16 * b:16 * b + 16] = blk / blk.abs().max() * rest.abs().max() * r  # sb ~ 448 r < 2^-6
     x = x.to(DEVICE)
-    packed, sb, s2 = flamia.quantize_nvfp4_reference(x)
+    packed, sb, s2 = flamia.quantize_fp4_reference(x)
     assert packed.shape == (T, H, D // 2) and packed.dtype == torch.uint8
     assert sb.shape == (T, H, D // 16) and sb.dtype == F8 and s2.shape == (T, H)
     deq = flamia.dequantize_fp4(packed, sb, s2)
@@ -728,13 +699,13 @@ def test_nvfp4_round_trip_and_packing():
     assert (got == by_hand).float().mean() == 1.0, f"{int((got != by_hand).sum())} codes differ from the by-hand encoder"
     xt = torch.zeros(1, 1, 64, device=DEVICE)
     xt[0, 0, :4] = torch.tensor([2688.0, -224.0, 1344.0, 672.0])  # s2 = 1, block scale 448: codes 7, 9, 5, 3
-    p, b, s = flamia.quantize_nvfp4_reference(xt)
+    p, b, s = flamia.quantize_fp4_reference(xt)
     assert float(s[0, 0]) == 1.0 and float(b[0, 0, 0].float()) == 448.0
     assert p[0, 0, :2].tolist() == [0x97, 0x35], f"packed bytes {[hex(v) for v in p[0, 0, :2].tolist()]}"
 
 
 def test_mxfp4_reference_scale_rule_and_round_trip():
-    """quantize_mxfp4_reference: per 32 elements of one token and head, the E8M0 scale is the smallest
+    """quantize_fp4_reference(fmt="mxfp4"): per 32 elements of one token and head, the E8M0 scale is the smallest
     power of two s with amax / s <= 6 (checked against the definition, and at the edges 6 -> 2^0,
     6 + ulp -> 2^1, 3 -> 2^-1, 0 -> 2^-126); every element then errs by at most half the E2M1 grid
     spacing at |x| / s, times s (no saturation: |x| / s <= 6); an all-zero block is exact zeros; a
@@ -746,7 +717,7 @@ def test_mxfp4_reference_scale_rule_and_round_trip():
     x[3, 0, 32:64] = 0
     x[5, 1, 70] = float("nan")
     x[6, 0, 1] = float("-inf")
-    packed, e, s2 = flamia.quantize_mxfp4_reference(x.to(DEVICE))
+    packed, e, s2 = flamia.quantize_fp4_reference(x.to(DEVICE), "mxfp4")
     assert packed.shape == (T, H, D // 2) and e.shape == (T, H, D // 32) and e.dtype == torch.uint8
     assert torch.equal(s2.cpu(), torch.ones(T, H))
     deq = flamia.dequantize_fp4(packed, e, s2).cpu().double()
@@ -768,11 +739,11 @@ def test_nvfp4_per_token_second_level_scale():
     a 1000x outlier changes that token's s2 and codes but no byte/scale of any other token."""
     gen = torch.Generator().manual_seed(9)
     x = randn(gen, 24, 2, 64, dtype=torch.float32)
-    base = flamia.quantize_nvfp4_reference(x)
+    base = flamia.quantize_fp4_reference(x)
     for t in (0, 11, 23):
         x2 = x.clone()
         x2[t] = x2[t] * 1000.0 + randn(gen, 2, 64, dtype=torch.float32) * 3000.0
-        pert = flamia.quantize_nvfp4_reference(x2)
+        pert = flamia.quantize_fp4_reference(x2)
         other = torch.arange(24, device=DEVICE) != t
         for name, a, b in zip(("packed", "block scales", "s2"), base, pert):
             assert_bitwise(as_bytes(a[other]), as_bytes(b[other]), f"token {t} perturbed: {name} of other tokens")
@@ -790,7 +761,7 @@ def test_fp4_recipes_put_only_k_in_fp4(recipe):
     lens = (0, 40, 1, 87)
     cu = cu_of(lens)
     q, k, v = (randn(gen, sum(lens), 2, 64, dtype=torch.float32) for _ in range(3))
-    fp4 = flamia.quantize_nvfp4_reference if recipe == "nvfp4" else flamia.quantize_mxfp4_reference
+    fp4 = functools.partial(flamia.quantize_fp4_reference, fmt=recipe)
     q8, v8 = (flamia.quantize_mxfp8_reference(x, cu, 1).dequantize(cu) for x in (q, v))
     k4 = flamia.dequantize_fp4(*fp4(k))
     got = flamia.reference_attention(q, k, v, cu, recipe=recipe)
