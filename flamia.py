@@ -16,8 +16,8 @@ cuDNN-frontend #983/#1123) and from measurements on an H200. Sections:
   6b. transformers    flamia_hf_attention_fn: a Hugging Face attention backend, packed rows too
   7. auditor          audit_causality: a bitwise leak test for any attention implementation
   8. interpreter      numerics fixes for Triton's CPU interpreter (applied whenever it runs)
-The optional companion flamia_hopper.py holds a Hopper-only warp-specialized Gluon forward
-(backend="gluon"); this file alone is complete. The leak and the safeguard: section 2; limits
+The optional companion flamia_hopper.py holds Hopper-only warp-specialized Gluon kernels, forward
+and backward (backend="gluon"); this file alone is complete. The leak and the safeguard: section 2; limits
 and what ran where: README.
 """
 import collections
@@ -145,7 +145,6 @@ def dequantize_fp4(packed: torch.Tensor, block_scale: torch.Tensor, s2=None, dty
 # 16-aligned column, so a kernel reads a tile's scales in aligned wide loads, not byte by byte.
 BLOCK_TOKENS = (1, 32, 64, 128)
 DEFAULT_BLOCK_TOKENS = 1  # per token: no per-token copies to write, the cheaper on packed short documents
-HEAD_DIMS = (64, 128)
 QUANT_TILE = 128  # tokens per quantizer program; a multiple of every B_t
 PAD_ALIGN = 16  # token-transposed layouts start every document at a multiple of 16 tokens
 
@@ -858,13 +857,14 @@ def attention_fp64(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True, sof
 # mode per kernel, or why a requested backend cannot compute the call -- is made once per call by
 # variant(); the launchers (5a, 5b) only read its Variant.
 #
-# TILES, one row per head dim (a head dim joins here and in HEAD_DIMS; one without a row is
-# refused). The tl.dot tiles are `bench.py --tune`'s on the H200 at D=128 (D=64 reuses them): fp8
-# wants long key tiles (P V contracts over BLOCK_N) and a warpgroup per 64 query rows, narrow
-# diagonal tiles (MASKED_N) help packed documents, bigger query tiles in dK/dV spill; the FP4
-# emulation is not tuned. Blackwell (`bench.py --sm100`, never timed): Triton lowers tl.dot_scaled
-# to the MX block-scaled MMA only for >= 128 query rows (with 64 it upcasts K to a bf16 MMA), with
-# the widest key tiles that compile without spills; the H200's dK/dV tiles spill there: 64 keys.
+# TILES, one row per head dim: a head dim joins here and nowhere else (HEAD_DIMS are its keys; the
+# Gluon kernels refuse head dims they lack). The tl.dot tiles are `bench.py --tune`'s on the H200 at
+# D=128 (D=64 reuses them): fp8 wants long key tiles (P V contracts over BLOCK_N) and a warpgroup per
+# 64 query rows, narrow diagonal tiles (MASKED_N) help packed documents, bigger query tiles in dK/dV
+# spill; the FP4 emulation is not tuned. Blackwell (`bench.py --sm100`, never timed): Triton lowers
+# tl.dot_scaled to the MX block-scaled MMA only for >= 128 query rows (with 64 it upcasts K to a bf16
+# MMA), with the widest key tiles that compile without spills; the H200's dK/dV tiles spill there:
+# 64 keys.
 class Tiles(NamedTuple):
     fwd: dict  # recipe -> (BLOCK_M, BLOCK_N, MASKED_N, num_warps, num_stages) of the tl.dot forward
     fwd_sm100: dict  # the same, tl.dot_scaled forward on Blackwell
@@ -881,6 +881,7 @@ TILES = {  # D=128, per pair: three stages of four bf16 key tiles need 256 KiB o
     128: Tiles(_FWD_TILES, _FWD_TILES_SM100, (32, 128, 8, 3), (32, 64, 8, 1), (128, 64, 8, 3), 2),
     64: Tiles(_FWD_TILES, _FWD_TILES_SM100, (32, 128, 8, 3), (32, 64, 4, 1), (128, 64, 8, 3), 3),
 }
+HEAD_DIMS = tuple(sorted(TILES))
 
 
 class Variant(NamedTuple):  # what computes one call
@@ -962,7 +963,7 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
     gluon_fwd = lambda: (flamia_hopper.BLOCK_M, 128, 128, None, None)
     gluon_dkdv = lambda: (64, flamia_hopper.BWD_BLOCK_N, None, None)
     gluon_refusal = lambda tiles: gluon_unavailable_reason() or (plan and flamia_hopper.unsupported_reason(
-        recipe, x.dtype, mode(tiles()[:2])))
+        recipe, x.dtype, D, mode(tiles()[:2])))
     blackwell = _is_blackwell(x)
     refusal = _backend_refusal(r, backend)
     gluon_bwd = not deterministic and backend in (None, "gluon") and plan is not None

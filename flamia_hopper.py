@@ -20,8 +20,9 @@ Three partitions (gl.warp_specialize), 9 warps. Launch with maxnreg=168: the 9 w
 
   loader (1 warp, 24 regs), per item t:
       Loads the item's Q (two 64-row TMA boxes, one per consumer warpgroup w, ring position 2t + w
-      of four: the next item's Q loads while this one runs), then walks the document's key tiles j = 0 .. n_kt-1 through a ring of STAGES shared-memory
-      slots, ring position c = (key tiles of earlier items) + j, slot c % STAGES:
+      of four: the next item's Q loads while this one runs), then walks the document's key tiles
+      j = 0 .. n_kt-1 through a ring of STAGES shared-memory slots, ring position
+      c = (key tiles of earlier items) + j, slot c % STAGES:
         wait kv_empty[s]                              (both consumers are done with slot s)
         TMA K_j   -> k_s[s],  arrives on k_ready[s]   (expect-tx barrier)
         TMA V_j^T -> v_s[s],  arrives on v_ready[s]   (S can start before V lands)
@@ -437,8 +438,8 @@ def _step(j, c0, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, ring, EKd, 
     if QUANT and not one:
         _acquire_filled(ring.sc_ready, c, STAGES)
     p, alpha, m_i, l_i, ref_i = _softmax(s, m_i, l_i, ref_i, qscale, rows, offs_n,
-                                         ring.sk_s.index(st), ring.ev_s.index(st), ek1, ev1, kd_start, kd_end, qd_start,
-                                         shift, CAUSAL, QUANT, MASKED, one)
+                                         ring.sk_s.index(st), ring.ev_s.index(st), ek1, ev1, kd_start,
+                                         kd_end, qd_start, shift, CAUSAL, QUANT, MASKED, one)
     if one:  # the next tile's scalar scales, loaded a tile ahead (their latency hides here)
         ek1, ev1 = _block_scales(EKd, EVd, (j + 1) * BLOCK_N, kd_end - kd_start)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
@@ -590,9 +591,14 @@ def default_config(recipe: str, D: int) -> dict:
     return dict(BLOCK_N=128, STAGES=4 if D == 128 else 5)
 
 
-def unsupported_reason(recipe: str, dtype, safeguard_mode: str):
-    """None when attn_fwd computes this configuration (as validated on the H200), else why not.
-    safeguard_mode: flamia's "off", "tile" or "pair" for the 128 x 128 tiles of this kernel."""
+HEAD_DIMS = (64, 128)  # of both kernels: their tiles and shared-memory budgets are sized for these
+
+
+def unsupported_reason(recipe: str, dtype, head_dim: int, safeguard_mode: str):
+    """None when attn_fwd / attn_bwd compute this configuration (as validated on the H200), else why
+    not. safeguard_mode: flamia's "off", "tile" or "pair" for the kernel's tiles."""
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} (the Gluon kernels have {HEAD_DIMS})"
     if recipe not in ("mxfp8", "bf16"):
         return f"recipe={recipe!r} (the Gluon forward has mxfp8 and bf16)"
     if dtype != torch.bfloat16:

@@ -1242,6 +1242,23 @@ def test_default_backend_gluon_on_hopper(monkeypatch):
         assert backend(FakeHopper(), "mxfp8", 128) == "wgmma"
 
 
+def test_gluon_refuses_head_dims_it_lacks(monkeypatch):
+    """A head dim that joins flamia.TILES (and so HEAD_DIMS) runs the tl kernels on Hopper by default:
+    the Gluon forward and backward refuse head dims their tiles and shared memory are not sized for,
+    instead of compiling kernels that cannot run; backend="gluon" is refused, naming the head dim."""
+    if flamia.flamia_hopper is None:
+        pytest.skip(flamia._GLUON_IMPORT_ERROR)
+    shape = lambda D: type("FakeHopper", (), dict(is_cuda=True, device="cuda:0", shape=(8, 4, D), dtype=BF16))()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(flamia, "gluon_unavailable_reason", lambda: None)
+    monkeypatch.setattr(flamia, "TILES", {**flamia.TILES, 256: flamia.TILES[128]})
+    plan = flamia.Plan(torch.tensor([0, 100, 300], dtype=torch.int32))
+    var = lambda D, **kw: flamia.variant(shape(D), "mxfp8", 128, plan, **kw)
+    assert (var(128).backend, var(128).bwd) == ("gluon", "gluon")
+    assert (var(256).backend, var(256).bwd) == ("wgmma", "tl")
+    assert "head_dim 256" in var(256, backend="gluon").refusal
+
+
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4"])
 def test_forward_dot_scaled_backend(recipe):
     """backend="dot_scaled" (E8M0 scales inside tl.dot_scaled; runs in the interpreter with triton 3.9,
