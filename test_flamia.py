@@ -2138,12 +2138,13 @@ def test_gluon_backward_is_the_default_and_deterministic_opts_out(monkeypatch):
 
 
 @needs_gluon
+@pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("recipe,bt", [("mxfp8", 1), ("mxfp8", 128), ("bf16", 1)])
-def test_gluon_backward_audit_causality(recipe, bt):
+def test_gluon_backward_audit_causality(recipe, bt, D):
     """Bitwise through the gradients: perturbing token t changes neither dQ of an earlier token of
-    its document nor any gradient of another document (Gluon forward and backward, GQA)."""
+    its document nor any gradient of another document (Gluon forward and backward, GQA, D 64 and 128)."""
     fn = _flamia_fn(recipe=recipe, block_tokens=bt, backend="gluon")
-    assert flamia.audit_causality(fn, heads=4, kv_heads=2, head_dim=128, gradients=True) == []
+    assert flamia.audit_causality(fn, heads=4, kv_heads=2, head_dim=D, gradients=True) == []
 
 
 @needs_gluon
