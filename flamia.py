@@ -478,7 +478,6 @@ def _pad16_dev(n):
 
 @triton.jit
 def _e4m3_byte(v):
-    """The E4M3 byte (as int32) of fp32 v by Triton's cast."""
     return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
 
 
@@ -610,7 +609,6 @@ def _quantize_kernel(
 
 
 def _quantizer_input(x, plan: Plan, side: str, name: str = "x") -> torch.Tensor:
-    """x, checked against the plan's `side` documents, with a unit inner stride."""
     _check_tensor(x, name)
     if side not in ("q", "k"):
         raise ValueError(f"side must be 'q' or 'k', got {side!r}")
@@ -705,8 +703,7 @@ def _quantize_fp4_kernel(X, TILES, P, SB, S2, stride_xt, stride_xh, T,
         NB: tl.constexpr = D // 32
         xb = tl.reshape(x, (BLOCK_T, NB, 32))
         bad_b = tl.max(((xb != xb) | (tl.abs(xb) == float("inf"))).to(tl.int32), axis=2)
-        e = _scale_exponent(tl.where(bad_b != 0, float("inf"), tl.max(tl.abs(xb), axis=2)),
-                            2, 0x400000)
+        e = _scale_exponent(tl.where(bad_b != 0, float("inf"), tl.max(tl.abs(xb), axis=2)), 2, 0x400000)
         inv = _exp2_int(254 - tl.minimum(e, 253))  # 1/s = 2^(127 - e), exact
         code = tl.where((e == 255)[:, :, None], 0, _e2m1_code(xb * inv[:, :, None]))  # as torch
         sb = e.to(tl.uint8)
@@ -805,9 +802,7 @@ def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True
     rotate_qk: first multiply Q and K by qk_rotation. Causal: bottom-right within each document.
     Rows without any visible key give 0 (and LSE -inf)."""
     cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
-    if recipe not in _RECIPES:
-        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
-    _check_block_tokens(block_tokens)
+    _check_options(recipe, block_tokens, None)
     r = _RECIPES[recipe]
     Tq, H, D = q.shape
     Tk, Hk = k.shape[:2]
@@ -912,9 +907,8 @@ def _is_blackwell(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 10
 
 
-# backend="gluon": flamia_hopper.py, an FA3-style warp-specialized Gluon forward on the same
-# operands (same function and safeguard; bf16, mxfp8; sm_90, triton 3.6; 128 x 128 tiles). Optional:
-# where it cannot run, backend="gluon" is refused with the reason, never replaced.
+# backend="gluon": flamia_hopper.py's kernels (same operands, function and safeguard; sm_90, triton
+# 3.6). Optional: where they cannot run, backend="gluon" is refused with the reason, never replaced.
 _GLUON_IMPORT_ERROR = None
 try:
     import flamia_hopper
@@ -1182,8 +1176,7 @@ def _softmax_pv(state, s, qscale, ev, visible, same, start_n, V, VS, EVS, v_len,
             ev_floor = tl.maximum(ref_new - 64, ev)
             offset = m_use + (ref_new - 8 - ev_floor).to(tl.float32)
             p_v = tl.exp2(s * qscale[:, None] - offset[:, None])
-            l_i = l_i * alpha + (tl.sum(p_v, 1) * _exp2_int(127 - ev_floor)
-                                 * _exp2_int(ref_new + 119))
+            l_i = l_i * alpha + (tl.sum(p_v, 1) * _exp2_int(127 - ev_floor) * _exp2_int(ref_new + 119))
         else:
             p_ref = tl.exp2(s * qscale[:, None] - (m_use + (ref_new - 8).to(tl.float32))[:, None])
             l_i = l_i * alpha + tl.sum(p_ref, 1) * _exp2_int(ref_new + 119)  # x 2^(ref - 8)
@@ -1229,8 +1222,7 @@ def _query_tile(TILES, H, HK, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _q_exponents(EQ, row, h, q_start, q_end, qd_start, T_QPAD, BLOCK_M: tl.constexpr,
-                 WORDS: tl.constexpr):
+def _q_exponents(EQ, row, h, q_start, q_end, qd_start, T_QPAD, BLOCK_M: tl.constexpr, WORDS: tl.constexpr):
     """Q's E8M0 row, from the tile's 16-aligned column to the document's padded end."""
     q_col = tl.multiple_of(tl.load(row + OWN_PAD) + (q_start - qd_start), 16)
     return _load_e8m0(EQ + h * T_QPAD + q_col, 0, _pad16_dev(q_end - q_start), 127, BLOCK_M, WORDS)
@@ -1341,9 +1333,7 @@ def _attn_fwd(
     state = _fwd_state(BLOCK_M, D)
     n_full, n_end = _key_range(q_start - qd_start + shift, q_end - qd_start + shift, k_len, BLOCK_N,
                                BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
-    # Unmasked key tiles lie inside one scale block when B_t is a multiple of BLOCK_N (both are
-    # aligned to the document start): then their scales are scalars.
-    ONE_SCALE: tl.constexpr = K_FORMAT == "e4m3" and BLOCK_TOKENS % BLOCK_N == 0
+    ONE_SCALE: tl.constexpr = K_FORMAT == "e4m3" and BLOCK_TOKENS % BLOCK_N == 0  # (_key_scales)
     ek, ev = _key_scales(EK, EV, 0, k_len, v_len, BLOCK_N, K_FORMAT, ONE_SCALE, False)
     for start_n in range(0, n_full, BLOCK_N):
         state, ek, ev = _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, K, EK, V, EV, KS, EKS,
@@ -1373,8 +1363,7 @@ def _attn_fwd_blackwell_step(state, ek, ev, q, q_e8, qscale, pos_q, start_n, K, 
     start_n = tl.multiple_of(start_n, BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)  # document-local key positions
     kmask = offs_n < k_len
-    ek_next, ev_next = _key_scales(EK, EV, start_n + BLOCK_N, k_len, v_len, BLOCK_N, K_FORMAT,
-                                   False, True)
+    ek_next, ev_next = _key_scales(EK, EV, start_n + BLOCK_N, k_len, v_len, BLOCK_N, K_FORMAT, False, True)
     if K_FORMAT == "fp4_packed":  # E4M3 x E2M1, both with E8M0 block scales
         k = _load_keys(K, start_n, k_len, HK * D // 2, D // 2, BLOCK_N, 0)
         k_e8 = _load_keys(KB, start_n, k_len, HK * D // 32, D // 32, BLOCK_N, 127)
@@ -1839,7 +1828,6 @@ def _dense_plan(batch: int, seqlen_q: int, seqlen_k: int, device) -> Plan:
 
 
 def _plan_for(cu_q: torch.Tensor, cu_k: torch.Tensor, dense: list) -> Plan:
-    """The Plan of these cu_seqlens tensors: the registered one, or a new one (one host sync)."""
     if dense[0] > 0:  # (B, S, H, D) inputs: B equal documents
         return _dense_plan(*dense, str(cu_q.device))
     plan = _PLANS.get(id(cu_q))
@@ -1960,7 +1948,6 @@ def kernels_available(device) -> bool:
 
 
 def _check_call(q, k, v, dims: int, recipe, block_tokens, backend) -> None:
-    """A public call's q, k, v and options, checked before the kernels or the oracle run."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(x, name, dims)
         if x.dtype not in (torch.bfloat16, torch.float16):
@@ -2061,14 +2048,11 @@ def flamia_attn_func(q, k, v, *, causal=True, softmax_scale=None, recipe="mxfp8"
 # ---------------------------------------------------------------------------------------------
 # 6b. Hugging Face transformers: FLAMIA as a model's attention (packed documents included)
 # ---------------------------------------------------------------------------------------------
-# transformers calls a registered attention function with (B, H, S, D) query, (B, Hk, S, D) key/value
-# and the rest as keywords. Packed training (DataCollatorWithFlattening: one row of several documents)
-# reaches it ONLY as keywords: position_ids restarting at every document, plus cu_seq_lens_q/k and
-# max_length_q/k with return_flash_attn_kwargs=True; attention_mask is then None. An adapter that
-# ignores them attends across documents: the leak FLAMIA exists to prevent. So the documents come from
-# cu_seq_lens_q/k, else from position_ids (a new one wherever they restart), else one per row. Every
-# layer gets the same tensor object, so the Plan is built on the first layer (one host read) and found
-# by the others and the backward. transformers is not imported (duck-typed, 5.x).
+# transformers passes (B, H, S, D) query, (B, Hk, S, D) key/value, the rest as keywords. Packed rows
+# (DataCollatorWithFlattening) arrive ONLY as keywords (README), attention_mask None: an adapter that
+# ignores them attends across documents. So the documents come from cu_seq_lens_q/k, else from
+# position_ids (a new one wherever they restart), else one per row. Every layer gets the same tensor
+# object: the Plan is built on the first layer (one host read) and found by the others and the backward.
 _HF_PLANS = {}  # id(a batch's cu_seq_lens_q or position_ids) -> (stamp, Plan), while that tensor lives
 
 
@@ -2096,12 +2080,10 @@ def _documents_of(position_ids: torch.Tensor, batch: int, seqlen: int) -> torch.
 
 
 def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BLOCK_TOKENS, **options):
-    """A transformers attention function computing FLAMIA with this recipe and block_tokens
-    (options: safeguard, rotate_qk, backend), registered as README.md shows, WITH transformers'
-    flash_attention_mask for the name: without a mask function transformers DROPS a padding mask
-    before any custom attention sees it (with it, the mask arrives and is refused). What it does not
-    compute is refused (ValueError naming the argument), never computed wrong. Non-causal modules:
-    full attention per document; GQA is native; scaling is the softmax scale."""
+    """A transformers attention function computing FLAMIA with this recipe and block_tokens (options:
+    safeguard, rotate_qk, backend), registered as README.md shows WITH flash_attention_mask: without a
+    mask function transformers DROPS a padding mask unseen (with it, the mask arrives and is refused).
+    What it cannot compute is refused (ValueError naming the argument), never computed wrong."""
     _check_options(recipe, block_tokens, options.get("backend"))
 
     def flamia_hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
