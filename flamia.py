@@ -530,9 +530,8 @@ def _quantize_rows(x, amax, offs_t, end, col_shift, pad_end, h, Y, E, T_PAD, H: 
 
 
 @triton.jit
-def _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, shift, pad_end, Y, E, YT,
-                    T_PAD, H: tl.constexpr, D: tl.constexpr, WRITE_T: tl.constexpr,
-                    PTX_CVT: tl.constexpr):
+def _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, shift, pad_end, Y, E, YT, T_PAD,
+                    H: tl.constexpr, D: tl.constexpr, WRITE_T: tl.constexpr, PTX_CVT: tl.constexpr):
     """Quantizes and stores the four token phases of a tile (rows offs_t + j of x_j, amax a_j);
     p0: the tile's first padded column, shift: token -> padded column."""
     v0 = _quantize_rows(x0, a0, offs_t, end, shift, pad_end, h, Y, E, T_PAD, H, D, WRITE_T)
@@ -550,10 +549,9 @@ def _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, shift, p
 
 
 @triton.jit
-def _quantize_tile(X, TILES, Y, E, YT, Y_TOK, E_TOK, YT_TOK, stride_xt, stride_xh, T_PAD,
-                   H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_TOKENS: tl.constexpr, WRITE_T: tl.constexpr, WRITE_TOK: tl.constexpr,
-                   PTX_CVT: tl.constexpr):
+def _quantize_tile(X, TILES, Y, E, YT, Y_TOK, E_TOK, YT_TOK, stride_xt, stride_xh, T_PAD, H: tl.constexpr,
+                   D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+                   WRITE_T: tl.constexpr, WRITE_TOK: tl.constexpr, PTX_CVT: tl.constexpr):
     # The tile is read as four token phases, x_j = rows 4i + j, all in one register layout, so the
     # token-transposed copy packs four tokens of a channel into an int32 elementwise and stores
     # 32-bit words, consecutive across a warp. (Storing the fp8 tile transposed instead makes Triton
@@ -600,9 +598,8 @@ def _quantize_kernel(
                        BLOCK_T, 1, False, False, PTX_CVT)
     elif tl.program_id(1) < H:
         if SECOND and which == 1:
-            _quantize_tile(X2, TILES, Y2, E2, YT2, Y2_TOK, E2_TOK, YT2_TOK, stride_x2t,
-                           stride_x2h, T_PAD, H, D, BLOCK_T, BLOCK_TOKENS, WRITE_T2, WRITE_TOK,
-                           PTX_CVT)
+            _quantize_tile(X2, TILES, Y2, E2, YT2, Y2_TOK, E2_TOK, YT2_TOK, stride_x2t, stride_x2h, T_PAD,
+                           H, D, BLOCK_T, BLOCK_TOKENS, WRITE_T2, WRITE_TOK, PTX_CVT)
         else:
             _quantize_tile(X, TILES, Y, E, YT, Y_TOK, E_TOK, YT_TOK, stride_xt, stride_xh, T_PAD,
                            H, D, BLOCK_T, BLOCK_TOKENS, WRITE_T, WRITE_TOK, PTX_CVT)
@@ -733,10 +730,9 @@ def quantize_fp4(x: torch.Tensor, plan: Plan, fmt: str = "nvfp4", side: str = "q
         raise ValueError(f"fmt must be 'nvfp4' or 'mxfp4', got {fmt!r}")
     T, H, D = x.shape
     mx = fmt == "mxfp4"
-    out = FP4(torch.empty(T, H, D // 2, dtype=torch.uint8, device=x.device),
-              torch.empty(T, H, D // MXFP4_BLOCK, dtype=torch.uint8, device=x.device) if mx else
-              torch.empty(T, H, D // NVFP4_BLOCK, dtype=torch.float8_e4m3fn, device=x.device),
-              torch.empty(H, T, dtype=torch.float32, device=x.device))
+    block = (D // MXFP4_BLOCK, torch.uint8) if mx else (D // NVFP4_BLOCK, torch.float8_e4m3fn)  # scales
+    out = FP4(x.new_empty(T, H, D // 2, dtype=torch.uint8), x.new_empty(T, H, block[0], dtype=block[1]),
+              x.new_empty(H, T, dtype=torch.float32))
     tiles = plan.tiles(QUANT_TILE, side, causal=False, skip_masked=False)
     if tiles.shape[0] > 0:
         _quantize_fp4_kernel[(tiles.shape[0], H)](x, tiles, *out, x.stride(0), x.stride(1), T,
@@ -789,9 +785,8 @@ def _fake_quant(x: torch.Tensor, cu_seqlens: torch.Tensor, block_tokens: int, fm
     return deq + (x - x.detach())
 
 
-def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True,
-                        softmax_scale=None, recipe="mxfp8", block_tokens=1, safeguard=True,
-                        rotate_qk=False, return_lse=False):
+def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True, softmax_scale=None,
+                        recipe="mxfp8", block_tokens=1, safeguard=True, rotate_qk=False, return_lse=False):
     """q (Tq, H, D), k and v (Tk, Hk, D) packed documents -> o (Tq, H, D) [, lse (H, Tq) ln].
 
     In fp32 (fp64 if q is fp64) on the recipe's dequantized operands, P unrounded (section 4):
@@ -1491,7 +1486,6 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
 # Before them, two memory-bound passes: Delta = rowsum(dO * O), and the dequantization.
 @triton.jit
 def _delta_kernel(O, DO, DELTA, T, H, D: tl.constexpr, BLOCK_T: tl.constexpr):
-    """DELTA[h, t] = sum_d O[t, h, d] * dO[t, h, d] in fp32: the softmax backward's rowsum(P * dP)."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
     mask = offs_t < T
