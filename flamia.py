@@ -815,8 +815,7 @@ def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True
     if Hk != H:  # GQA / MQA: each K/V head serves H // Hk consecutive query heads
         k, v, k_tok, v_tok = (x.repeat_interleave(H // Hk, dim=1) for x in (k, v, k_tok, v_tok))
     (doc_q, pos_q), (doc_k, pos_k) = _doc_index(cu_seqlens_q, Tq), _doc_index(cu_seqlens_k, Tk)
-    # Position of each query on its document's key axis (bottom-right alignment).
-    pos_q = (pos_q + (cu_seqlens_k.diff() - cu_seqlens_q.diff()).long()[doc_q])[:, None]
+    pos_q = (pos_q + (cu_seqlens_k.diff() - cu_seqlens_q.diff()).long()[doc_q])[:, None]  # key axis
     pos_k = pos_k[None, :]
     visible = doc_q[:, None] == doc_k[None, :]
     if causal:
@@ -1226,9 +1225,8 @@ def _q_exponents(EQ, row, h, q_start, q_end, qd_start, T_QPAD, BLOCK_M: tl.const
 @triton.jit
 def _kv_pointers(K, KB, EK, V, EV, KS, EKS, VS, EVS, row, hk, kd_start, k_len, HK, T_K, T_KPAD,
                  stride_vh, stride_vt, D: tl.constexpr, K_FORMAT: tl.constexpr):
-    """Pointers at this document's first key and this K/V head, and V's length v_len. fp8 V is
-    token-transposed, the document starting at OTHER_PAD (16-aligned) and zero-padded to a multiple
-    of 16 keys; E8M0 rows are padded the same way."""
+    """Pointers at this document's first key and this K/V head, and V's length v_len (fp8 V and E8M0
+    rows: in the padded token layout, from OTHER_PAD, zero-padded to a multiple of 16 keys)."""
     v_base, v_len = kd_start, k_len
     if K_FORMAT != "bf16":
         v_base = tl.multiple_of(tl.load(row + OTHER_PAD), 16)
@@ -1446,11 +1444,9 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
         return flamia_hopper.attn_fwd(ops.q, ops.q_exp, ops.k, ops.k_exp, ops.v_t, ops.v_exp, o, lse,
                                       tiles, per_token=per_token, v_len=plan.pad_k[-1], **kw)
     BLOCK_M, BLOCK_N, MASKED_N, warps, stages = var.fwd
-    # V token-transposed (H, D, T_pad) if fp8, bf16 V as it is (T, H, D)
     strides_v = (D * plan.padded_k, plan.padded_k, 1) if var.recipe.quantized else (D, 1, HK * D)
     k_data = (dequantize_fp4(ops.k, ops.k_block, dtype=torch.bfloat16) if var.k_format == "fp4_decoded"
               else ops.k)
-    # Per-token copies where the safeguard is on; FP4 K is per token, its own copy.
     k_tok = (ops.k_tok, ops.k_tok_exp) if var.copies and not var.recipe.k_fp4 else (k_data, ops.k_exp)
     v_tok = (ops.v_tok_t, ops.v_tok_exp) if var.copies else (ops.v_t, ops.v_exp)
     operands = (ops.q, ops.q_exp, k_data, ops.k_block, ops.k_exp, ops.v_t, ops.v_exp, *k_tok, *v_tok)
@@ -1630,8 +1626,7 @@ def _attn_bwd_dkdv(
     q_full = q_len // BLOCK_M * BLOCK_M
     q_lo, q_mid = _query_range(k_start - kd_start, k_end - kd_start, q_len, shift, BLOCK_M,
                                BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
-    # "tile": the masked query tiles all lie in this key tile's block
-    k_diag, v_diag = (ks, vs) if SAFEGUARD == "tile" else (k, v)
+    k_diag, v_diag = (ks, vs) if SAFEGUARD == "tile" else (k, v)  # "tile": masked tiles share its block
     sm_scale_log2 = sm_scale * 1.4426950408889634
     dk, dv = tl.zeros((BLOCK_N, D), tl.float32), tl.zeros((BLOCK_N, D), tl.float32)
     for hq in range(hk * (H // HK), (hk + 1) * (H // HK)):  # GQA: sum over this K/V head's queries
