@@ -323,9 +323,8 @@ class Plan:
             self._known[id(cu), s] = (weakref.ref(cu), cu._version)
 
     def tiles(self, block: int, side: str, causal: bool = True, skip_masked: bool = True):
-        """(n_tiles, 8) int32 tile table of `block`-token tiles of the `side` ("q" or "k")
-        documents, heaviest work first, on the plan's device (cached). skip_masked=False keeps
-        tiles without any unmasked pair (the quantizer must see every token)."""
+        """(n_tiles, 8) int32 table of the `block`-token tiles of the `side` ("q" or "k") documents, on
+        the plan's device (cached); skip_masked=False keeps masked tiles (the quantizer sees every token)."""
         key = (block, side, causal, skip_masked)
         if key not in self._tables:
             q_side = side == "q"
@@ -1005,10 +1004,9 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
 # ref_i is a per-row statistic over *visible* keys only (a max over the whole tile would leak the
 # future on the diagonal).
 #
-# The causal safeguard (section 2's rules), on masked (diagonal) tiles only: straddling pairs use
-# the per-token copies KS, VS ("pair": a second small MMA on the diagonal tiles), or, where
-# _tile_safeguard holds, the masked tiles read KS, VS instead of K, V ("tile": one MMA, as at
-# B_t = 1). Q is scaled per token: nothing leaks along rows.
+# The causal safeguard (section 2's rules), on masked (diagonal) tiles only: straddling pairs use the
+# per-token copies KS, VS ("pair": a second small MMA on the diagonal tiles), or, where _tile_safeguard
+# holds, the masked tiles read KS, VS instead of K, V ("tile": one MMA, as at B_t = 1).
 #
 # K comes in four formats (K_FORMAT): "bf16" (recipe bf16), "e4m3" (MXFP8), "fp4_decoded" (FP4
 # values times their block scales, decoded to bf16 on the host -- exact, 6 significant bits -- with
@@ -1790,8 +1788,7 @@ def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, c
     unused = lambda: q.new_empty(0, dtype=torch.float32)
     if not recipe.quantized:
         return Operands(*(unused() for _ in Operands._fields))
-    # Q per token: a scale shared along its rows would leak. V only token-transposed: the K-major
-    # operand of P V (the backward dequantizes this copy).
+    # V only token-transposed: the K-major operand of P V (the backward dequantizes this copy).
     queries = q if plan.same_documents else None  # one tile table for Q and K: Q joins the launch
     if recipe.k_fp4:  # FP4 along the head dim, per token: the safeguard needs no copy of K
         kf = quantize_fp4(k, plan, recipe.k_format, "k")
@@ -1863,8 +1860,7 @@ def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: t
 
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale, recipe, block_tokens,
               safeguard, backend, check_finite):
-    """The forward op's outputs as torch.compile's fake tensors: o, lse and the (shape, dtype) of
-    every slot of Operands."""
+    """The forward op's outputs as torch.compile's fake tensors: o, lse and every slot of Operands."""
     (Tq, H, D), (Tk, HK) = q.shape, k.shape[:2]
     r = _RECIPES[recipe]
     q_pad, k_pad = (padded_tokens(t, cu_seqlens_k.shape[0] - 1) for t in (Tq, Tk))
@@ -1895,10 +1891,9 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def _custom_op(name, impl, fake):
-    """impl as the torch custom op flamia::name, fake giving its outputs' shapes. The returned function
-    calls the op while torch.compile traces, else impl directly: the dispatcher's round trip (schema
-    check, redispatch, alias check) costs tens of microseconds of host time per call (measured with
-    the kernel launches stubbed out)."""
+    """impl as the custom op flamia::name (fake: its outputs' shapes); the result calls the op while
+    torch.compile traces, else impl directly: the dispatcher's round trip (schema check, redispatch,
+    alias check) costs tens of microseconds of host time per call (measured, launches stubbed out)."""
     op = torch.library.custom_op(f"flamia::{name}", impl, mutates_args=(), device_types=("cuda", "cpu"))
     op.register_fake(fake)
     return lambda *args: (op if torch.compiler.is_compiling() else impl)(*args)
