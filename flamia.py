@@ -61,8 +61,7 @@ def e8m0_exponent(amax: torch.Tensor, elem_max: float = E4M3_MAX) -> torch.Tenso
     bits = amax.float().view(torch.int32)
     biased = (bits >> 23) & 0xFF
     e = biased - shift + ((bits & 0x7FFFFF) > mant).int()
-    e = torch.where(biased == 255, E8M0_NAN, e.clamp(min=1))
-    return e.to(torch.uint8)
+    return torch.where(biased == 255, E8M0_NAN, e.clamp(min=1)).to(torch.uint8)
 
 
 def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
@@ -237,16 +236,15 @@ def _check_cu_seqlens(cu, name: str) -> None:
                          f"got shape {tuple(cu.shape)}")
 
 
-# The Plan cuts every document into tiles aligned to its start that never cross a document
-# boundary: 128-token tiles for the quantizer (whole scale blocks), query tiles (forward, dQ) or key
-# tiles (dK/dV) for attention. Only tiles with unmasked pairs exist, so no program runs on a fully
-# masked tile, and documents of length 0, 1 or 33 need no special case. Work is sorted heaviest
-# first (longest processing time): the GPU takes programs roughly in launch order, so long causal
-# rows start first and short ones fill the tail. The Plan reads cu_seqlens to the host ONCE (the
-# only host sync) and caches its tables: build it once per batch and pass it to every layer, like
-# FlexAttention's BlockMask. Tile table columns (int32, a row per work item): "own" is the tile's
-# document (queries for query tiles, keys for key tiles), "other" the matching one on the other
-# side; *_PAD are their starts in the token-transposed (16-aligned) layouts.
+# The Plan cuts every document into tiles aligned to its start that never cross a document boundary:
+# 128-token tiles for the quantizer (whole scale blocks), query tiles (forward, dQ) or key tiles (dK/dV) for
+# attention. Only tiles with unmasked pairs exist, so no program runs on a fully masked tile, and documents
+# of length 0, 1 or 33 need no special case. Work is sorted heaviest first (longest processing time): the
+# GPU takes programs roughly in launch order, so long causal rows start first and short ones fill the tail.
+# The Plan reads cu_seqlens to the host ONCE (the only host sync) and caches its tables: build it once per
+# batch and pass it to every layer, like FlexAttention's BlockMask. Tile table columns (int32, a row per
+# work item): "own" is the tile's document (queries for query tiles, keys for key tiles), "other" the
+# matching one on the other side; *_PAD are their starts in the token-transposed (16-aligned) layouts.
 TILE_START, TILE_END, OWN_START, OWN_END, OTHER_START, OTHER_END, OTHER_PAD, OWN_PAD = (
     tl.constexpr(i) for i in range(8))
 # The custom ops find plans here: id(cu_seqlens_q on the plan's device) -> Plan, while the Plan
@@ -324,7 +322,7 @@ class Plan:
 
     def tiles(self, block: int, side: str, causal: bool = True, skip_masked: bool = True):
         """(n_tiles, 8) int32 table of the `block`-token tiles of the `side` ("q" or "k") documents, on
-        the plan's device (cached); skip_masked=False keeps masked tiles (the quantizer sees every token)."""
+        the plan's device (cached); skip_masked=False keeps masked tiles (the quantizer sees each token)."""
         key = (block, side, causal, skip_masked)
         if key not in self._tables:
             q_side = side == "q"
@@ -798,8 +796,7 @@ def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True
     cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
     _check_options(recipe, block_tokens, None)
     r = _RECIPES[recipe]
-    Tq, H, D = q.shape
-    Tk, Hk = k.shape[:2]
+    (Tq, H, D), (Tk, Hk) = q.shape, k.shape[:2]
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     if rotate_qk:
@@ -997,12 +994,11 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
 #       m    = max(m, rowmax(s2));  p = exp2(s2 - m);  l = l * alpha + rowsum(p)
 #       acc += E4M3(p * 2^(ev[j] - ref_i + 8)) @ Vq^T          fp8 MMA, V's scale folded into P
 #
-# V's scale varies along the contraction (keys), so it is folded into P before P is quantized:
-# exact, since scales are powers of two. To keep p * 2^ev inside E4M3's range, each row carries a
-# reference exponent ref_i = max ev over the keys it has seen (then p~ <= 2^8 < 448), and the
-# accumulator lives in units of 2^(ref_i - 8), rescaled when ref_i grows, like the softmax max m.
-# ref_i is a per-row statistic over *visible* keys only (a max over the whole tile would leak the
-# future on the diagonal).
+# V's scale varies along the contraction (keys), so it is folded into P before P is quantized: exact, since
+# scales are powers of two. To keep p * 2^ev inside E4M3's range, each row carries a reference exponent
+# ref_i = max ev over the keys it has seen (then p~ <= 2^8 < 448), and the accumulator lives in units of
+# 2^(ref_i - 8), rescaled when ref_i grows, like the softmax max m. ref_i is a per-row statistic over
+# *visible* keys only (a max over the whole tile would leak the future on the diagonal).
 #
 # The causal safeguard (section 2's rules), on masked (diagonal) tiles only: straddling pairs use the
 # per-token copies KS, VS ("pair": a second small MMA on the diagonal tiles), or, where _tile_safeguard
@@ -1421,8 +1417,7 @@ def _attn_fwd_blackwell(Q, EQ, K, KB, EK, V, EV, KS, EKS, VS, EVS, O, LSE, TILES
 def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_scale, block_tokens):
     """Launch the forward (tl or Gluon) on the quantized operands `ops` (section 6's Operands; bf16:
     q, k, v in its slots, the others unused). Returns (o, lse)."""
-    Tq, H, D = q.shape
-    Tk, HK = k.shape[:2]
+    (Tq, H, D), (Tk, HK) = q.shape, k.shape[:2]
     empty_rows = plan.rows_without_keys[causal]
     o = (torch.zeros if empty_rows else torch.empty)(Tq, H, D, dtype=q.dtype, device=q.device)
     lse = (torch.full((H, Tq), float("-inf"), device=q.device) if empty_rows
@@ -1722,8 +1717,7 @@ def _attn_bwd_dq(
 def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal, softmax_scale,
                    block_tokens):
     """dq, dk, dv from the forward's quantized operands `ops` (unused for bf16)."""
-    Tq, H, D = q.shape
-    Tk, HK = k.shape[:2]
+    (Tq, H, D), (Tk, HK) = q.shape, k.shape[:2]
     r = var.recipe
     do = do.contiguous()
     delta = torch.empty(H, Tq, dtype=torch.float32, device=o.device)  # rowsum(P * dP) = dO . O
@@ -1825,10 +1819,9 @@ def _plan_for(cu_q: torch.Tensor, cu_k: torch.Tensor, dense: list) -> Plan:
 
 
 def _check_plan(plan: Plan, total_q: int, total_k: int, max_seqlen_q=None, max_seqlen_k=None):
-    for name, have, want in (("cu_seqlens_q", plan.total_q, total_q),
-                             ("cu_seqlens_k", plan.total_k, total_k)):
+    for side, have, want in (("q", plan.total_q, total_q), ("k", plan.total_k, total_k)):
         if have != want:
-            raise ValueError(f"{name} must end at the total number of tokens {want}, got {have}")
+            raise ValueError(f"cu_seqlens_{side} must end at the total number of tokens {want}, got {have}")
     if max_seqlen_q is not None and (max_seqlen_q < plan.max_seqlen_q or max_seqlen_k < plan.max_seqlen_k):
         raise ValueError(f"max_seqlen_q / max_seqlen_k ({max_seqlen_q}, {max_seqlen_k}) are smaller than "
                          f"the longest documents ({plan.max_seqlen_q}, {plan.max_seqlen_k})")
