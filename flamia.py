@@ -1219,8 +1219,8 @@ def _q_exponents(EQ, row, h, q_start, q_end, qd_start, T_QPAD, BLOCK_M: tl.const
 @triton.jit
 def _kv_pointers(K, KB, EK, V, EV, KS, EKS, VS, EVS, row, hk, kd_start, k_len, HK, T_K, T_KPAD,
                  stride_vh, stride_vt, D: tl.constexpr, K_FORMAT: tl.constexpr):
-    """Pointers at this document's first key and this K/V head, and V's length v_len (fp8 V and E8M0
-    rows: in the padded token layout, from OTHER_PAD, zero-padded to a multiple of 16 keys)."""
+    """Pointers at this document's first key and this K/V head, and V's length v_len (token-transposed
+    fp8 V and E8M0 rows: in the padded token layout from OTHER_PAD, zero-padded to a multiple of 16)."""
     v_base, v_len = kd_start, k_len
     if K_FORMAT != "bf16":
         v_base = tl.multiple_of(tl.load(row + OTHER_PAD), 16)
