@@ -61,8 +61,7 @@ def e8m0_exponent(amax: torch.Tensor, elem_max: float = E4M3_MAX) -> torch.Tenso
     bits = amax.float().view(torch.int32)
     biased = (bits >> 23) & 0xFF
     e = biased - shift + ((bits & 0x7FFFFF) > mant).int()
-    e = torch.where(biased == 255, E8M0_NAN, e.clamp(min=1))
-    return e.to(torch.uint8)
+    return torch.where(biased == 255, E8M0_NAN, e.clamp(min=1)).to(torch.uint8)
 
 
 def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
@@ -237,16 +236,15 @@ def _check_cu_seqlens(cu, name: str) -> None:
                          f"got shape {tuple(cu.shape)}")
 
 
-# The Plan cuts every document into tiles aligned to its start that never cross a document
-# boundary: 128-token tiles for the quantizer (whole scale blocks), query tiles (forward, dQ) or key
-# tiles (dK/dV) for attention. Only tiles with unmasked pairs exist, so no program runs on a fully
-# masked tile, and documents of length 0, 1 or 33 need no special case. Work is sorted heaviest
-# first (longest processing time): the GPU takes programs roughly in launch order, so long causal
-# rows start first and short ones fill the tail. The Plan reads cu_seqlens to the host ONCE (the
-# only host sync) and caches its tables: build it once per batch and pass it to every layer, like
-# FlexAttention's BlockMask. Tile table columns (int32, a row per work item): "own" is the tile's
-# document (queries for query tiles, keys for key tiles), "other" the matching one on the other
-# side; *_PAD are their starts in the token-transposed (16-aligned) layouts.
+# The Plan cuts every document into tiles aligned to its start that never cross a document boundary:
+# 128-token tiles for the quantizer (whole scale blocks), query tiles (forward, dQ) or key tiles (dK/dV) for
+# attention. Only tiles with unmasked pairs exist, so no program runs on a fully masked tile, and documents
+# of length 0, 1 or 33 need no special case. Work is sorted heaviest first (longest processing time): the
+# GPU takes programs roughly in launch order, so long causal rows start first and short ones fill the tail.
+# The Plan reads cu_seqlens to the host ONCE (the only host sync) and caches its tables: build it once per
+# batch and pass it to every layer, like FlexAttention's BlockMask. Tile table columns (int32, a row per
+# work item): "own" is the tile's document (queries for query tiles, keys for key tiles), "other" the
+# matching one on the other side; *_PAD are their starts in the token-transposed (16-aligned) layouts.
 TILE_START, TILE_END, OWN_START, OWN_END, OTHER_START, OTHER_END, OTHER_PAD, OWN_PAD = (
     tl.constexpr(i) for i in range(8))
 # The custom ops find plans here: id(cu_seqlens_q on the plan's device) -> Plan, while the Plan
@@ -323,9 +321,8 @@ class Plan:
             self._known[id(cu), s] = (weakref.ref(cu), cu._version)
 
     def tiles(self, block: int, side: str, causal: bool = True, skip_masked: bool = True):
-        """(n_tiles, 8) int32 tile table of `block`-token tiles of the `side` ("q" or "k")
-        documents, heaviest work first, on the plan's device (cached). skip_masked=False keeps
-        tiles without any unmasked pair (the quantizer must see every token)."""
+        """(n_tiles, 8) int32 table of the `block`-token tiles of the `side` ("q" or "k") documents, on
+        the plan's device (cached); skip_masked=False keeps masked tiles (the quantizer sees each token)."""
         key = (block, side, causal, skip_masked)
         if key not in self._tables:
             q_side = side == "q"
@@ -478,7 +475,6 @@ def _pad16_dev(n):
 
 @triton.jit
 def _e4m3_byte(v):
-    """The E4M3 byte (as int32) of fp32 v by Triton's cast."""
     return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
 
 
@@ -531,9 +527,8 @@ def _quantize_rows(x, amax, offs_t, end, col_shift, pad_end, h, Y, E, T_PAD, H: 
 
 
 @triton.jit
-def _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, shift, pad_end, Y, E, YT,
-                    T_PAD, H: tl.constexpr, D: tl.constexpr, WRITE_T: tl.constexpr,
-                    PTX_CVT: tl.constexpr):
+def _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, shift, pad_end, Y, E, YT, T_PAD,
+                    H: tl.constexpr, D: tl.constexpr, WRITE_T: tl.constexpr, PTX_CVT: tl.constexpr):
     """Quantizes and stores the four token phases of a tile (rows offs_t + j of x_j, amax a_j);
     p0: the tile's first padded column, shift: token -> padded column."""
     v0 = _quantize_rows(x0, a0, offs_t, end, shift, pad_end, h, Y, E, T_PAD, H, D, WRITE_T)
@@ -551,10 +546,9 @@ def _quantize_store(x0, x1, x2, x3, a0, a1, a2, a3, offs_t, end, h, p0, shift, p
 
 
 @triton.jit
-def _quantize_tile(X, TILES, Y, E, YT, Y_TOK, E_TOK, YT_TOK, stride_xt, stride_xh, T_PAD,
-                   H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_TOKENS: tl.constexpr, WRITE_T: tl.constexpr, WRITE_TOK: tl.constexpr,
-                   PTX_CVT: tl.constexpr):
+def _quantize_tile(X, TILES, Y, E, YT, Y_TOK, E_TOK, YT_TOK, stride_xt, stride_xh, T_PAD, H: tl.constexpr,
+                   D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+                   WRITE_T: tl.constexpr, WRITE_TOK: tl.constexpr, PTX_CVT: tl.constexpr):
     # The tile is read as four token phases, x_j = rows 4i + j, all in one register layout, so the
     # token-transposed copy packs four tokens of a channel into an int32 elementwise and stores
     # 32-bit words, consecutive across a warp. (Storing the fp8 tile transposed instead makes Triton
@@ -601,16 +595,14 @@ def _quantize_kernel(
                        BLOCK_T, 1, False, False, PTX_CVT)
     elif tl.program_id(1) < H:
         if SECOND and which == 1:
-            _quantize_tile(X2, TILES, Y2, E2, YT2, Y2_TOK, E2_TOK, YT2_TOK, stride_x2t,
-                           stride_x2h, T_PAD, H, D, BLOCK_T, BLOCK_TOKENS, WRITE_T2, WRITE_TOK,
-                           PTX_CVT)
+            _quantize_tile(X2, TILES, Y2, E2, YT2, Y2_TOK, E2_TOK, YT2_TOK, stride_x2t, stride_x2h, T_PAD,
+                           H, D, BLOCK_T, BLOCK_TOKENS, WRITE_T2, WRITE_TOK, PTX_CVT)
         else:
             _quantize_tile(X, TILES, Y, E, YT, Y_TOK, E_TOK, YT_TOK, stride_xt, stride_xh, T_PAD,
                            H, D, BLOCK_T, BLOCK_TOKENS, WRITE_T, WRITE_TOK, PTX_CVT)
 
 
 def _quantizer_input(x, plan: Plan, side: str, name: str = "x") -> torch.Tensor:
-    """x, checked against the plan's `side` documents, with a unit inner stride."""
     _check_tensor(x, name)
     if side not in ("q", "k"):
         raise ValueError(f"side must be 'q' or 'k', got {side!r}")
@@ -705,8 +697,7 @@ def _quantize_fp4_kernel(X, TILES, P, SB, S2, stride_xt, stride_xh, T,
         NB: tl.constexpr = D // 32
         xb = tl.reshape(x, (BLOCK_T, NB, 32))
         bad_b = tl.max(((xb != xb) | (tl.abs(xb) == float("inf"))).to(tl.int32), axis=2)
-        e = _scale_exponent(tl.where(bad_b != 0, float("inf"), tl.max(tl.abs(xb), axis=2)),
-                            2, 0x400000)
+        e = _scale_exponent(tl.where(bad_b != 0, float("inf"), tl.max(tl.abs(xb), axis=2)), 2, 0x400000)
         inv = _exp2_int(254 - tl.minimum(e, 253))  # 1/s = 2^(127 - e), exact
         code = tl.where((e == 255)[:, :, None], 0, _e2m1_code(xb * inv[:, :, None]))  # as torch
         sb = e.to(tl.uint8)
@@ -736,10 +727,9 @@ def quantize_fp4(x: torch.Tensor, plan: Plan, fmt: str = "nvfp4", side: str = "q
         raise ValueError(f"fmt must be 'nvfp4' or 'mxfp4', got {fmt!r}")
     T, H, D = x.shape
     mx = fmt == "mxfp4"
-    out = FP4(torch.empty(T, H, D // 2, dtype=torch.uint8, device=x.device),
-              torch.empty(T, H, D // MXFP4_BLOCK, dtype=torch.uint8, device=x.device) if mx else
-              torch.empty(T, H, D // NVFP4_BLOCK, dtype=torch.float8_e4m3fn, device=x.device),
-              torch.empty(H, T, dtype=torch.float32, device=x.device))
+    block = (D // MXFP4_BLOCK, torch.uint8) if mx else (D // NVFP4_BLOCK, torch.float8_e4m3fn)  # scales
+    out = FP4(x.new_empty(T, H, D // 2, dtype=torch.uint8), x.new_empty(T, H, block[0], dtype=block[1]),
+              x.new_empty(H, T, dtype=torch.float32))
     tiles = plan.tiles(QUANT_TILE, side, causal=False, skip_masked=False)
     if tiles.shape[0] > 0:
         _quantize_fp4_kernel[(tiles.shape[0], H)](x, tiles, *out, x.stride(0), x.stride(1), T,
@@ -792,9 +782,8 @@ def _fake_quant(x: torch.Tensor, cu_seqlens: torch.Tensor, block_tokens: int, fm
     return deq + (x - x.detach())
 
 
-def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True,
-                        softmax_scale=None, recipe="mxfp8", block_tokens=1, safeguard=True,
-                        rotate_qk=False, return_lse=False):
+def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True, softmax_scale=None,
+                        recipe="mxfp8", block_tokens=1, safeguard=True, rotate_qk=False, return_lse=False):
     """q (Tq, H, D), k and v (Tk, Hk, D) packed documents -> o (Tq, H, D) [, lse (H, Tq) ln].
 
     In fp32 (fp64 if q is fp64) on the recipe's dequantized operands, P unrounded (section 4):
@@ -805,12 +794,9 @@ def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True
     rotate_qk: first multiply Q and K by qk_rotation. Causal: bottom-right within each document.
     Rows without any visible key give 0 (and LSE -inf)."""
     cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
-    if recipe not in _RECIPES:
-        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
-    _check_block_tokens(block_tokens)
+    _check_options(recipe, block_tokens, None)
     r = _RECIPES[recipe]
-    Tq, H, D = q.shape
-    Tk, Hk = k.shape[:2]
+    (Tq, H, D), (Tk, Hk) = q.shape, k.shape[:2]
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     if rotate_qk:
@@ -825,8 +811,7 @@ def reference_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True
     if Hk != H:  # GQA / MQA: each K/V head serves H // Hk consecutive query heads
         k, v, k_tok, v_tok = (x.repeat_interleave(H // Hk, dim=1) for x in (k, v, k_tok, v_tok))
     (doc_q, pos_q), (doc_k, pos_k) = _doc_index(cu_seqlens_q, Tq), _doc_index(cu_seqlens_k, Tk)
-    # Position of each query on its document's key axis (bottom-right alignment).
-    pos_q = (pos_q + (cu_seqlens_k.diff() - cu_seqlens_q.diff()).long()[doc_q])[:, None]
+    pos_q = (pos_q + (cu_seqlens_k.diff() - cu_seqlens_q.diff()).long()[doc_q])[:, None]  # key axis
     pos_k = pos_k[None, :]
     visible = doc_q[:, None] == doc_k[None, :]
     if causal:
@@ -912,9 +897,8 @@ def _is_blackwell(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 10
 
 
-# backend="gluon": flamia_hopper.py, an FA3-style warp-specialized Gluon forward on the same
-# operands (same function and safeguard; bf16, mxfp8; sm_90, triton 3.6; 128 x 128 tiles). Optional:
-# where it cannot run, backend="gluon" is refused with the reason, never replaced.
+# backend="gluon": flamia_hopper.py's kernels (same operands, function and safeguard; sm_90, triton
+# 3.6). Optional: where they cannot run, backend="gluon" is refused with the reason, never replaced.
 _GLUON_IMPORT_ERROR = None
 try:
     import flamia_hopper
@@ -1010,17 +994,15 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
 #       m    = max(m, rowmax(s2));  p = exp2(s2 - m);  l = l * alpha + rowsum(p)
 #       acc += E4M3(p * 2^(ev[j] - ref_i + 8)) @ Vq^T          fp8 MMA, V's scale folded into P
 #
-# V's scale varies along the contraction (keys), so it is folded into P before P is quantized:
-# exact, since scales are powers of two. To keep p * 2^ev inside E4M3's range, each row carries a
-# reference exponent ref_i = max ev over the keys it has seen (then p~ <= 2^8 < 448), and the
-# accumulator lives in units of 2^(ref_i - 8), rescaled when ref_i grows, like the softmax max m.
-# ref_i is a per-row statistic over *visible* keys only (a max over the whole tile would leak the
-# future on the diagonal).
+# V's scale varies along the contraction (keys), so it is folded into P before P is quantized: exact, since
+# scales are powers of two. To keep p * 2^ev inside E4M3's range, each row carries a reference exponent
+# ref_i = max ev over the keys it has seen (then p~ <= 2^8 < 448), and the accumulator lives in units of
+# 2^(ref_i - 8), rescaled when ref_i grows, like the softmax max m. ref_i is a per-row statistic over
+# *visible* keys only (a max over the whole tile would leak the future on the diagonal).
 #
-# The causal safeguard (section 2's rules), on masked (diagonal) tiles only: straddling pairs use
-# the per-token copies KS, VS ("pair": a second small MMA on the diagonal tiles), or, where
-# _tile_safeguard holds, the masked tiles read KS, VS instead of K, V ("tile": one MMA, as at
-# B_t = 1). Q is scaled per token: nothing leaks along rows.
+# The causal safeguard (section 2's rules), on masked (diagonal) tiles only: straddling pairs use the
+# per-token copies KS, VS ("pair": a second small MMA on the diagonal tiles), or, where _tile_safeguard
+# holds, the masked tiles read KS, VS instead of K, V ("tile": one MMA, as at B_t = 1).
 #
 # K comes in four formats (K_FORMAT): "bf16" (recipe bf16), "e4m3" (MXFP8), "fp4_decoded" (FP4
 # values times their block scales, decoded to bf16 on the host -- exact, 6 significant bits -- with
@@ -1182,8 +1164,7 @@ def _softmax_pv(state, s, qscale, ev, visible, same, start_n, V, VS, EVS, v_len,
             ev_floor = tl.maximum(ref_new - 64, ev)
             offset = m_use + (ref_new - 8 - ev_floor).to(tl.float32)
             p_v = tl.exp2(s * qscale[:, None] - offset[:, None])
-            l_i = l_i * alpha + (tl.sum(p_v, 1) * _exp2_int(127 - ev_floor)
-                                 * _exp2_int(ref_new + 119))
+            l_i = l_i * alpha + (tl.sum(p_v, 1) * _exp2_int(127 - ev_floor) * _exp2_int(ref_new + 119))
         else:
             p_ref = tl.exp2(s * qscale[:, None] - (m_use + (ref_new - 8).to(tl.float32))[:, None])
             l_i = l_i * alpha + tl.sum(p_ref, 1) * _exp2_int(ref_new + 119)  # x 2^(ref - 8)
@@ -1229,8 +1210,7 @@ def _query_tile(TILES, H, HK, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _q_exponents(EQ, row, h, q_start, q_end, qd_start, T_QPAD, BLOCK_M: tl.constexpr,
-                 WORDS: tl.constexpr):
+def _q_exponents(EQ, row, h, q_start, q_end, qd_start, T_QPAD, BLOCK_M: tl.constexpr, WORDS: tl.constexpr):
     """Q's E8M0 row, from the tile's 16-aligned column to the document's padded end."""
     q_col = tl.multiple_of(tl.load(row + OWN_PAD) + (q_start - qd_start), 16)
     return _load_e8m0(EQ + h * T_QPAD + q_col, 0, _pad16_dev(q_end - q_start), 127, BLOCK_M, WORDS)
@@ -1239,9 +1219,8 @@ def _q_exponents(EQ, row, h, q_start, q_end, qd_start, T_QPAD, BLOCK_M: tl.const
 @triton.jit
 def _kv_pointers(K, KB, EK, V, EV, KS, EKS, VS, EVS, row, hk, kd_start, k_len, HK, T_K, T_KPAD,
                  stride_vh, stride_vt, D: tl.constexpr, K_FORMAT: tl.constexpr):
-    """Pointers at this document's first key and this K/V head, and V's length v_len. fp8 V is
-    token-transposed, the document starting at OTHER_PAD (16-aligned) and zero-padded to a multiple
-    of 16 keys; E8M0 rows are padded the same way."""
+    """Pointers at this document's first key and this K/V head, and V's length v_len (token-transposed
+    fp8 V and E8M0 rows: in the padded token layout from OTHER_PAD, zero-padded to a multiple of 16)."""
     v_base, v_len = kd_start, k_len
     if K_FORMAT != "bf16":
         v_base = tl.multiple_of(tl.load(row + OTHER_PAD), 16)
@@ -1341,9 +1320,7 @@ def _attn_fwd(
     state = _fwd_state(BLOCK_M, D)
     n_full, n_end = _key_range(q_start - qd_start + shift, q_end - qd_start + shift, k_len, BLOCK_N,
                                BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
-    # Unmasked key tiles lie inside one scale block when B_t is a multiple of BLOCK_N (both are
-    # aligned to the document start): then their scales are scalars.
-    ONE_SCALE: tl.constexpr = K_FORMAT == "e4m3" and BLOCK_TOKENS % BLOCK_N == 0
+    ONE_SCALE: tl.constexpr = K_FORMAT == "e4m3" and BLOCK_TOKENS % BLOCK_N == 0  # (_key_scales)
     ek, ev = _key_scales(EK, EV, 0, k_len, v_len, BLOCK_N, K_FORMAT, ONE_SCALE, False)
     for start_n in range(0, n_full, BLOCK_N):
         state, ek, ev = _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, K, EK, V, EV, KS, EKS,
@@ -1373,8 +1350,7 @@ def _attn_fwd_blackwell_step(state, ek, ev, q, q_e8, qscale, pos_q, start_n, K, 
     start_n = tl.multiple_of(start_n, BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)  # document-local key positions
     kmask = offs_n < k_len
-    ek_next, ev_next = _key_scales(EK, EV, start_n + BLOCK_N, k_len, v_len, BLOCK_N, K_FORMAT,
-                                   False, True)
+    ek_next, ev_next = _key_scales(EK, EV, start_n + BLOCK_N, k_len, v_len, BLOCK_N, K_FORMAT, False, True)
     if K_FORMAT == "fp4_packed":  # E4M3 x E2M1, both with E8M0 block scales
         k = _load_keys(K, start_n, k_len, HK * D // 2, D // 2, BLOCK_N, 0)
         k_e8 = _load_keys(KB, start_n, k_len, HK * D // 32, D // 32, BLOCK_N, 127)
@@ -1441,8 +1417,7 @@ def _attn_fwd_blackwell(Q, EQ, K, KB, EK, V, EV, KS, EKS, VS, EVS, O, LSE, TILES
 def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_scale, block_tokens):
     """Launch the forward (tl or Gluon) on the quantized operands `ops` (section 6's Operands; bf16:
     q, k, v in its slots, the others unused). Returns (o, lse)."""
-    Tq, H, D = q.shape
-    Tk, HK = k.shape[:2]
+    (Tq, H, D), (Tk, HK) = q.shape, k.shape[:2]
     empty_rows = plan.rows_without_keys[causal]
     o = (torch.zeros if empty_rows else torch.empty)(Tq, H, D, dtype=q.dtype, device=q.device)
     lse = (torch.full((H, Tq), float("-inf"), device=q.device) if empty_rows
@@ -1462,11 +1437,9 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
         return flamia_hopper.attn_fwd(ops.q, ops.q_exp, ops.k, ops.k_exp, ops.v_t, ops.v_exp, o, lse,
                                       tiles, per_token=per_token, v_len=plan.pad_k[-1], **kw)
     BLOCK_M, BLOCK_N, MASKED_N, warps, stages = var.fwd
-    # V token-transposed (H, D, T_pad) if fp8, bf16 V as it is (T, H, D)
     strides_v = (D * plan.padded_k, plan.padded_k, 1) if var.recipe.quantized else (D, 1, HK * D)
     k_data = (dequantize_fp4(ops.k, ops.k_block, dtype=torch.bfloat16) if var.k_format == "fp4_decoded"
               else ops.k)
-    # Per-token copies where the safeguard is on; FP4 K is per token, its own copy.
     k_tok = (ops.k_tok, ops.k_tok_exp) if var.copies and not var.recipe.k_fp4 else (k_data, ops.k_exp)
     v_tok = (ops.v_tok_t, ops.v_tok_exp) if var.copies else (ops.v_t, ops.v_exp)
     operands = (ops.q, ops.q_exp, k_data, ops.k_block, ops.k_exp, ops.v_t, ops.v_exp, *k_tok, *v_tok)
@@ -1502,7 +1475,6 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
 # Before them, two memory-bound passes: Delta = rowsum(dO * O), and the dequantization.
 @triton.jit
 def _delta_kernel(O, DO, DELTA, T, H, D: tl.constexpr, BLOCK_T: tl.constexpr):
-    """DELTA[h, t] = sum_d O[t, h, d] * dO[t, h, d] in fp32: the softmax backward's rowsum(P * dP)."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
     mask = offs_t < T
@@ -1647,8 +1619,7 @@ def _attn_bwd_dkdv(
     q_full = q_len // BLOCK_M * BLOCK_M
     q_lo, q_mid = _query_range(k_start - kd_start, k_end - kd_start, q_len, shift, BLOCK_M,
                                BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
-    # "tile": the masked query tiles all lie in this key tile's block
-    k_diag, v_diag = (ks, vs) if SAFEGUARD == "tile" else (k, v)
+    k_diag, v_diag = (ks, vs) if SAFEGUARD == "tile" else (k, v)  # "tile": masked tiles share its block
     sm_scale_log2 = sm_scale * 1.4426950408889634
     dk, dv = tl.zeros((BLOCK_N, D), tl.float32), tl.zeros((BLOCK_N, D), tl.float32)
     for hq in range(hk * (H // HK), (hk + 1) * (H // HK)):  # GQA: sum over this K/V head's queries
@@ -1746,8 +1717,7 @@ def _attn_bwd_dq(
 def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal, softmax_scale,
                    block_tokens):
     """dq, dk, dv from the forward's quantized operands `ops` (unused for bf16)."""
-    Tq, H, D = q.shape
-    Tk, HK = k.shape[:2]
+    (Tq, H, D), (Tk, HK) = q.shape, k.shape[:2]
     r = var.recipe
     do = do.contiguous()
     delta = torch.empty(H, Tq, dtype=torch.float32, device=o.device)  # rowsum(P * dP) = dO . O
@@ -1812,8 +1782,7 @@ def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, c
     unused = lambda: q.new_empty(0, dtype=torch.float32)
     if not recipe.quantized:
         return Operands(*(unused() for _ in Operands._fields))
-    # Q per token: a scale shared along its rows would leak. V only token-transposed: the K-major
-    # operand of P V (the backward dequantizes this copy).
+    # V only token-transposed: the K-major operand of P V (the backward dequantizes this copy).
     queries = q if plan.same_documents else None  # one tile table for Q and K: Q joins the launch
     if recipe.k_fp4:  # FP4 along the head dim, per token: the safeguard needs no copy of K
         kf = quantize_fp4(k, plan, recipe.k_format, "k")
@@ -1839,7 +1808,6 @@ def _dense_plan(batch: int, seqlen_q: int, seqlen_k: int, device) -> Plan:
 
 
 def _plan_for(cu_q: torch.Tensor, cu_k: torch.Tensor, dense: list) -> Plan:
-    """The Plan of these cu_seqlens tensors: the registered one, or a new one (one host sync)."""
     if dense[0] > 0:  # (B, S, H, D) inputs: B equal documents
         return _dense_plan(*dense, str(cu_q.device))
     plan = _PLANS.get(id(cu_q))
@@ -1851,10 +1819,9 @@ def _plan_for(cu_q: torch.Tensor, cu_k: torch.Tensor, dense: list) -> Plan:
 
 
 def _check_plan(plan: Plan, total_q: int, total_k: int, max_seqlen_q=None, max_seqlen_k=None):
-    for name, have, want in (("cu_seqlens_q", plan.total_q, total_q),
-                             ("cu_seqlens_k", plan.total_k, total_k)):
+    for side, have, want in (("q", plan.total_q, total_q), ("k", plan.total_k, total_k)):
         if have != want:
-            raise ValueError(f"{name} must end at the total number of tokens {want}, got {have}")
+            raise ValueError(f"cu_seqlens_{side} must end at the total number of tokens {want}, got {have}")
     if max_seqlen_q is not None and (max_seqlen_q < plan.max_seqlen_q or max_seqlen_k < plan.max_seqlen_k):
         raise ValueError(f"max_seqlen_q / max_seqlen_k ({max_seqlen_q}, {max_seqlen_k}) are smaller than "
                          f"the longest documents ({plan.max_seqlen_q}, {plan.max_seqlen_k})")
@@ -1886,8 +1853,7 @@ def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: t
 
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale, recipe, block_tokens,
               safeguard, backend, check_finite):
-    """The forward op's outputs as torch.compile's fake tensors: o, lse and the (shape, dtype) of
-    every slot of Operands."""
+    """The forward op's outputs as torch.compile's fake tensors: o, lse and every slot of Operands."""
     (Tq, H, D), (Tk, HK) = q.shape, k.shape[:2]
     r = _RECIPES[recipe]
     q_pad, k_pad = (padded_tokens(t, cu_seqlens_k.shape[0] - 1) for t in (Tq, Tk))
@@ -1918,10 +1884,9 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def _custom_op(name, impl, fake):
-    """impl as the torch custom op flamia::name, fake giving its outputs' shapes. The returned function
-    calls the op while torch.compile traces, else impl directly: the dispatcher's round trip (schema
-    check, redispatch, alias check) costs tens of microseconds of host time per call (measured with
-    the kernel launches stubbed out)."""
+    """impl as the custom op flamia::name (fake: its outputs' shapes); the result calls the op while
+    torch.compile traces, else impl directly: the dispatcher's round trip (schema check, redispatch,
+    alias check) costs tens of microseconds of host time per call (measured, launches stubbed out)."""
     op = torch.library.custom_op(f"flamia::{name}", impl, mutates_args=(), device_types=("cuda", "cpu"))
     op.register_fake(fake)
     return lambda *args: (op if torch.compiler.is_compiling() else impl)(*args)
@@ -1960,7 +1925,6 @@ def kernels_available(device) -> bool:
 
 
 def _check_call(q, k, v, dims: int, recipe, block_tokens, backend) -> None:
-    """A public call's q, k, v and options, checked before the kernels or the oracle run."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(x, name, dims)
         if x.dtype not in (torch.bfloat16, torch.float16):
@@ -2061,14 +2025,11 @@ def flamia_attn_func(q, k, v, *, causal=True, softmax_scale=None, recipe="mxfp8"
 # ---------------------------------------------------------------------------------------------
 # 6b. Hugging Face transformers: FLAMIA as a model's attention (packed documents included)
 # ---------------------------------------------------------------------------------------------
-# transformers calls a registered attention function with (B, H, S, D) query, (B, Hk, S, D) key/value
-# and the rest as keywords. Packed training (DataCollatorWithFlattening: one row of several documents)
-# reaches it ONLY as keywords: position_ids restarting at every document, plus cu_seq_lens_q/k and
-# max_length_q/k with return_flash_attn_kwargs=True; attention_mask is then None. An adapter that
-# ignores them attends across documents: the leak FLAMIA exists to prevent. So the documents come from
-# cu_seq_lens_q/k, else from position_ids (a new one wherever they restart), else one per row. Every
-# layer gets the same tensor object, so the Plan is built on the first layer (one host read) and found
-# by the others and the backward. transformers is not imported (duck-typed, 5.x).
+# transformers passes (B, H, S, D) query, (B, Hk, S, D) key/value, the rest as keywords. Packed rows
+# (DataCollatorWithFlattening) arrive ONLY as keywords (README), attention_mask None: an adapter that
+# ignores them attends across documents. So the documents come from cu_seq_lens_q/k, else from
+# position_ids (a new one wherever they restart), else one per row. Every layer gets the same tensor
+# object: the Plan is built on the first layer (one host read) and found by the others and the backward.
 _HF_PLANS = {}  # id(a batch's cu_seq_lens_q or position_ids) -> (stamp, Plan), while that tensor lives
 
 
@@ -2096,12 +2057,10 @@ def _documents_of(position_ids: torch.Tensor, batch: int, seqlen: int) -> torch.
 
 
 def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BLOCK_TOKENS, **options):
-    """A transformers attention function computing FLAMIA with this recipe and block_tokens
-    (options: safeguard, rotate_qk, backend), registered as README.md shows, WITH transformers'
-    flash_attention_mask for the name: without a mask function transformers DROPS a padding mask
-    before any custom attention sees it (with it, the mask arrives and is refused). What it does not
-    compute is refused (ValueError naming the argument), never computed wrong. Non-causal modules:
-    full attention per document; GQA is native; scaling is the softmax scale."""
+    """A transformers attention function computing FLAMIA with this recipe and block_tokens (options:
+    safeguard, rotate_qk, backend), registered as README.md shows WITH flash_attention_mask: without a
+    mask function transformers DROPS a padding mask unseen (with it, the mask arrives and is refused).
+    What it cannot compute is refused (ValueError naming the argument), never computed wrong."""
     _check_options(recipe, block_tokens, options.get("backend"))
 
     def flamia_hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
