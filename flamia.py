@@ -951,18 +951,18 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
     blackwell = _is_blackwell(x)
     refusal = _backend_refusal(r, backend)
     gluon_bwd = not deterministic and backend in (None, "gluon") and plan is not None
-    why = gluon_refusal(gluon_fwd)
     if backend is None:
         backend = "dot_scaled" if r.dot_scaled and blackwell else "wgmma"
         if (recipe == "mxfp8" and block_tokens % 128 == 0 and D == 128 and x.is_cuda
                 and torch.cuda.get_device_capability(x.device)[0] == 9):
+            why = gluon_refusal(gluon_fwd)  # asked only where it decides (variant runs every call)
             if why is None:
                 backend = "gluon"
             elif why not in _SAID:
                 _SAID.add(why)
                 warnings.warn(f"FLAMIA: not using the Gluon forward (the fastest on this GPU for "
                               f"this configuration): {why}; the tl forward computes the same function")
-    elif backend == "gluon" and refusal is None and why:
+    elif backend == "gluon" and refusal is None and (why := gluon_refusal(gluon_fwd)):
         refusal = f"backend='gluon' cannot compute this call: {why}; use backend='wgmma'"
     if refusal:
         return Variant(r, backend, refusal)
