@@ -862,7 +862,6 @@ def _bwd_step(c, sm, dk, dv, pos_k, kd_len, start_m, shift, DQh, dq_desc, dq_row
     ds = (p * (dp - gl.expand_dims(sm.dl_s.index(st).load(col_l), 0))).to(dtype)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), a_layout), do, dv, is_async=True)
-    dk_tok = warpgroup_mma(gl.convert_layout(ds, a_layout), q, dk, is_async=True)
     # dQ = dS K, split like FA4's: both warpgroups put their dS^T (64 keys each) into one shared
     # buffer, then each computes half of dQ's columns over all 128 keys: a [64, D/2] accumulator
     # (a [64, D] one beside dK and dV spills at D=128) and every dQ element added once.
@@ -871,16 +870,16 @@ def _bwd_step(c, sm, dk, dv, pos_k, kd_len, start_m, shift, DQh, dq_desc, dq_row
     fence_async_shared()
     gl.thread_barrier()  # the whole warpgroup's stores precede its arrival
     _release(sm.ds_ready, c, 2)
-    dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok,))
-    dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok,))
-    _release(sm.q_free, c, STAGES)
     dq_layout: gl.constexpr = _mma_layout(dtype, D // 2)
     _acquire_filled(sm.ds_ready, c, 2)  # both halves of dS^T are in ds_s
+    # FA4's order: dV, dQ, dK back to back on the tensor core; dQ's store overlaps dK's MMA
     dq = gl.zeros([BLOCK_M, D // 2], gl.float32, dq_layout)
     for w in gl.static_range(2):  # over the two warpgroups' 64 keys: one dS^T buffer each
         dq = warpgroup_mma(sm.ds_s.index((c % 2) * 2 + w).permute((1, 0)),
                            k_all.slice(w * 64, 64).slice(WG * (D // 2), D // 2, dim=1), dq,
-                           use_acc=w > 0)
+                           use_acc=w > 0, is_async=True)
+    dk_tok = warpgroup_mma(gl.convert_layout(ds, a_layout), q, dk, is_async=True)
+    dv, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, dq))
     if DQ_TMA:  # rows past the document add dS = 0 exactly there: x + 0 = x (never -0: see attn_bwd)
         buf = sm.dq_s.index((c % 2) * 2 + WG)
         tma.store_wait(1)  # this warpgroup's reduce of two steps ago has read the buffer
@@ -892,6 +891,8 @@ def _bwd_step(c, sm, dk, dv, pos_k, kd_len, start_m, shift, DQh, dq_desc, dq_row
         offs = (gl.expand_dims(rows * (H * D), 1) + WG * (D // 2)
                 + gl.expand_dims(gl.arange(0, D // 2, layout=gl.SliceLayout(0, dq_layout)), 0))
         gl.atomic_add(DQh + offs, dq, mask=gl.expand_dims(rows < q_len, 1), sem="relaxed")
+    dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok,))
+    _release(sm.q_free, c, STAGES)  # Q was dK's last operand
     return dk, dv
 
 @gluon.jit
