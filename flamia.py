@@ -945,7 +945,7 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
     # The Gluon forward's and dK/dV's tiles (their own warps, stages), and why the Gluon kernel with
     # such tiles cannot compute this call (None: it can, as far as the plan tells)
     gluon_fwd = lambda: (flamia_hopper.BLOCK_M, 128, 128, None, None)
-    gluon_dkdv = lambda: (64, flamia_hopper.BWD_BLOCK_N, None, None)
+    gluon_dkdv = lambda: (flamia_hopper.BWD_BLOCK_M.get(D, 64), flamia_hopper.BWD_BLOCK_N, None, None)
     gluon_refusal = lambda tiles: gluon_unavailable_reason() or (plan and flamia_hopper.unsupported_reason(
         recipe, x.dtype, D, mode(tiles()[:2])))
     blackwell = _is_blackwell(x)
