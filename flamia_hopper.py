@@ -690,7 +690,7 @@ def attn_fwd(q_data, q_exp, k_data, k_exp, v_data, v_exp, o, lse, tiles, *, soft
 
 
 # ================================================================================================
-# The backward: dK, dV per key tile in registers, dQ by fp32 atomics (FA3's schedule)
+# The backward: dK, dV per key tile in registers, dQ by TMA reduce-add (FA3's schedule)
 # ================================================================================================
 # It computes flamia's backward function (section 5b: bf16 MMAs on the forward's exactly dequantized
 # operands; the safeguard's per-token copies KS, VS on the query tiles that straddle) with another
@@ -701,9 +701,10 @@ def attn_fwd(q_data, q_exp, k_data, k_exp, v_data, v_exp, o, lse, tiles, *, soft
 #     P^T = exp2(S^T * scale - lse);  dS^T = P^T (dP^T - Delta)
 #     dV += P^T dO;  dK += dS^T Q         (P^T, dS^T from registers)
 #     dQ[:, half w] = dS K[:, half w]  (both warpgroups' dS^T through shared memory: FA4's split),
-#                                      added to an fp32 dQ with atomics.
+#                                      added to an fp32 dQ by one TMA reduce-add per step (fp32
+#                                      atomics with the tile safeguard, whose copies take dQ's smem).
 # dK and dV stay in registers over all query tiles and heads; dQ's fp32 sum is converted by the
-# host. The atomics make dQ's last bits depend on the order of the adds: flamia's tl backward is the
+# host. Its adds run in no fixed order, so dQ's last bits vary: flamia's tl backward is the
 # deterministic one.
 # Rows past the query document (the next document's, or TMA's zeros past the tensor) get LSE = +inf,
 # so P = 0 there without a mask; masks run only on the causal diagonal and on a key tile that ends
@@ -1001,17 +1002,24 @@ BWD_BLOCK_N = 128  # keys per CTA (2 warpgroups x 64): the Plan's key-tile table
 BWD_BLOCK_M = {64: 128, 128: 64}
 
 
+def bwd_block_m(D, tile_safeguard):
+    """Queries per backward step. With the tile safeguard 64 at every head dim: its per-token K, V
+    copies hold registers and shared memory, and dQ goes by atomics (the H200 measured 64 faster at
+    D=64 there; 128 faster without it)."""
+    return 64 if tile_safeguard else BWD_BLOCK_M.get(D, 64)
+
+
 def attn_bwd(q, k, v, ks, vs, do, lse, delta, dk, dv, tiles, *, softmax_scale, causal,
              block_tokens=1, tile_safeguard=False):
     """dQ (returned), dK, dV (written) of flamia's backward function, on its bf16 operands: q, do
     (Tq, H, D); k, v and the safeguard's per-token copies ks, vs (Tk, HK, D) (the quantized recipes':
     exactly dequantized); lse, delta (H, Tq) fp32; tiles: plan.tiles(BWD_BLOCK_N, "k", causal).
-    tile_safeguard: flamia's per-tile safeguard for BWD_BLOCK_M[D]-query x 128-key tiles (ks, vs on
+    tile_safeguard: flamia's per-tile safeguard for bwd_block_m()-query x 128-key tiles (ks, vs on
     the masked query tiles); without it ks, vs are ignored. dQ's fp32 sum starts at +0.0, so it is
     never -0.0 and the zero rows a TMA box adds past a document's end leave the next one's bits."""
     Tq, H, D = q.shape
     Tk, HK = k.shape[:2]
-    BM, BN = BWD_BLOCK_M[D], BWD_BLOCK_N
+    BM, BN = bwd_block_m(D, tile_safeguard), BWD_BLOCK_N
     dq = torch.zeros(Tq, H, D, dtype=torch.float32, device=q.device)
     if tiles.shape[0] == 0:
         return dq.to(q.dtype)
