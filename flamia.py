@@ -881,7 +881,7 @@ class Variant(NamedTuple):  # what computes one call
     dkdv: tuple = None  # (BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel ...
     dq: tuple = None  # ... and of the dQ kernel
     modes: tuple = None  # the safeguard of the forward, dK/dV and dQ: "off", "tile" or "pair"
-    bwd: str = "tl"  # the backward's kernels: "tl" (deterministic) or "gluon" (dQ by fp32 atomics)
+    bwd: str = "tl"  # the backward's kernels: "tl" (deterministic) or "gluon" (dQ's adds unordered)
 
 
 def _tile_safeguard(plan: Plan, block_tokens: int, *blocks: int) -> bool:
@@ -945,7 +945,7 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
     # The Gluon forward's and dK/dV's tiles (their own warps, stages), and why the Gluon kernel with
     # such tiles cannot compute this call (None: it can, as far as the plan tells)
     gluon_fwd = lambda: (flamia_hopper.BLOCK_M, 128, 128, None, None)
-    gluon_dkdv = lambda: (64, flamia_hopper.BWD_BLOCK_N, None, None)
+    gluon_dkdv = lambda: (flamia_hopper.bwd_block_m(D, copies), flamia_hopper.BWD_BLOCK_N, None, None)
     gluon_refusal = lambda tiles: gluon_unavailable_reason() or (plan and flamia_hopper.unsupported_reason(
         recipe, x.dtype, D, mode(tiles()[:2])))
     blackwell = _is_blackwell(x)
@@ -975,7 +975,7 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
     k_format = ("bf16" if not r.quantized else "e4m3" if not r.k_fp4 else
                 "fp4_packed" if backend == "dot_scaled" else "fp4_decoded")
     bwd = "tl"
-    if gluon_bwd and not gluon_refusal(gluon_dkdv):  # dQ by fp32 atomics: not deterministic
+    if gluon_bwd and not gluon_refusal(gluon_dkdv):  # dQ's adds in no fixed order: not deterministic
         bwd, dkdv, modes = "gluon", gluon_dkdv(), (modes[0], mode(gluon_dkdv()[:2]), None)
     kernel = {"wgmma": _attn_fwd, "dot_scaled": _attn_fwd_blackwell}.get(backend)
     return Variant(r, backend, None, kernel, tma, k_format, copies, fwd, dkdv, dq, modes, bwd)
@@ -1733,7 +1733,7 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
     ks = deq("k", ops.k_tok, ops.k_tok_exp) if var.copies and not r.k_fp4 else k
     vs = deq("k", None, ops.v_tok_exp, ops.v_tok_t) if var.copies else v  # ks, vs: the per-token copies
     dk, dv = ((q.new_zeros if plan.keys_without_rows else q.new_empty)(Tk, HK, D) for _ in "kv")
-    if var.bwd == "gluon":  # flamia_hopper.py's backward: the same function, dQ by fp32 atomics
+    if var.bwd == "gluon":  # flamia_hopper.py's backward: the same function, dQ's adds unordered
         tiles = plan.tiles(flamia_hopper.BWD_BLOCK_N, "k", causal)
         dq = flamia_hopper.attn_bwd(q, k, v, ks, vs, do, lse, delta, dk, dv, tiles,
                                     softmax_scale=softmax_scale, causal=causal,

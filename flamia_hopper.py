@@ -92,6 +92,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (tma, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait, fence_async_shared)
 from triton.language.core import _aggregate as aggregate  # 3.6's (private) name; gl.aggregate later
+from triton.experimental.gluon.language._core import builtin
+from triton._C.libtriton import ir
 
 
 # flamia.py checks this: the exponent rows are read in its padded token layout (H, T_padded).
@@ -145,6 +147,15 @@ def _row_reduce(x, SUM: gl.constexpr):
     else:
         r = gl.max(gl.max(gl.max(t, 2), 1), 1)
     return gl.convert_layout(r, gl.SliceLayout(1, x.type.layout), assert_trivial=True)
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """global[box at coord] += src (shared memory), by TMA (cp.reduce.async.bulk.tensor.add): one
+    instruction per tile where atomics take one per element. Triton 3.6's Gluon builder has the op,
+    its Python API does not yet; completion is tracked like a TMA store's (tma.store_wait)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                              src.handle)
 
 # ------------------------------------------------------------------------------------------------
 # rings of shared-memory slots and their mbarriers
@@ -622,7 +633,8 @@ def _smem_layout(block: tuple, dtype):
 def _desc(t, shape, strides, block):
     """A TMA descriptor of a 2-D view of t. (Not cached: a cached descriptor would keep its tensor
     alive, and triton 3.6 re-encodes descriptors at every launch anyway; the layout is cached.)"""
-    dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16}[t.dtype]
+    dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16,
+             torch.float32: gl.float32}[t.dtype]
     return TensorDescriptor(t, list(shape), list(strides), list(block), _smem_layout(block, dtype))
 
 
@@ -678,7 +690,7 @@ def attn_fwd(q_data, q_exp, k_data, k_exp, v_data, v_exp, o, lse, tiles, *, soft
 
 
 # ================================================================================================
-# The backward: dK, dV per key tile in registers, dQ by fp32 atomics (FA3's schedule)
+# The backward: dK, dV per key tile in registers, dQ by TMA reduce-add (FA3's schedule)
 # ================================================================================================
 # It computes flamia's backward function (section 5b: bf16 MMAs on the forward's exactly dequantized
 # operands; the safeguard's per-token copies KS, VS on the query tiles that straddle) with another
@@ -689,9 +701,10 @@ def attn_fwd(q_data, q_exp, k_data, k_exp, v_data, v_exp, o, lse, tiles, *, soft
 #     P^T = exp2(S^T * scale - lse);  dS^T = P^T (dP^T - Delta)
 #     dV += P^T dO;  dK += dS^T Q         (P^T, dS^T from registers)
 #     dQ[:, half w] = dS K[:, half w]  (both warpgroups' dS^T through shared memory: FA4's split),
-#                                      added to an fp32 dQ with atomics.
+#                                      added to an fp32 dQ by one TMA reduce-add per step (fp32
+#                                      atomics with the tile safeguard, whose copies take dQ's smem).
 # dK and dV stay in registers over all query tiles and heads; dQ's fp32 sum is converted by the
-# host. The atomics make dQ's last bits depend on the order of the adds: flamia's tl backward is the
+# host. Its adds run in no fixed order, so dQ's last bits vary: flamia's tl backward is the
 # deterministic one.
 # Rows past the query document (the next document's, or TMA's zeros past the tensor) get LSE = +inf,
 # so P = 0 there without a mask; masks run only on the causal diagonal and on a key tile that ends
@@ -703,7 +716,9 @@ class BwdSmem:
       q_ready[S]   (1, expect-tx: TMA) Q and dO of ring position c       -> both consumers
       st_ready[S]  (1) loader, LSE (log2) and Delta staged               -> both consumers
       q_free[S]    (2) each consumer WG after its last MMA on the slot   -> loader
-      ds_ready[2]  (2) each consumer WG, its dS^T rows stored in ds_s[c%2] -> both consumers' dQ"""
+      ds_ready[2]  (2) each consumer WG, its dS^T rows stored in ds_s[c%2] -> both consumers' dQ
+    dq_s[c%2, WG]: the warpgroup's dQ tile on its way to the TMA reduce-add; no barrier: the
+    warpgroup that wrote it waits for the reduce issued two steps earlier (tma.store_wait)."""
     k_s: gl.shared_memory_descriptor
     v_s: gl.shared_memory_descriptor
     ks_s: gl.shared_memory_descriptor
@@ -713,6 +728,7 @@ class BwdSmem:
     lse_s: gl.shared_memory_descriptor
     dl_s: gl.shared_memory_descriptor
     ds_s: gl.shared_memory_descriptor
+    dq_s: gl.shared_memory_descriptor
     kv_ready: gl.shared_memory_descriptor
     q_ready: gl.shared_memory_descriptor
     st_ready: gl.shared_memory_descriptor
@@ -720,7 +736,7 @@ class BwdSmem:
     ds_ready: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
-    def __init__(self, k_s, v_s, ks_s, vs_s, q_s, do_s, lse_s, dl_s, ds_s, kv_ready, q_ready,
+    def __init__(self, k_s, v_s, ks_s, vs_s, q_s, do_s, lse_s, dl_s, ds_s, dq_s, kv_ready, q_ready,
                  st_ready, q_free, ds_ready):
         self.k_s = k_s
         self.v_s = v_s
@@ -731,6 +747,7 @@ class BwdSmem:
         self.lse_s = lse_s
         self.dl_s = dl_s
         self.ds_s = ds_s
+        self.dq_s = dq_s
         self.kv_ready = kv_ready
         self.q_ready = q_ready
         self.st_ready = st_ready
@@ -808,9 +825,10 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, sm, LSE, DELT
             c += 1
 
 @gluon.jit
-def _bwd_step(c, sm, dk, dv, pos_k, kd_len, start_m, shift, DQh, q_len, H, sm_scale_log2,
-              WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, MASKED: gl.constexpr, COPIES: gl.constexpr):
+def _bwd_step(c, sm, dk, dv, pos_k, kd_len, start_m, shift, DQh, dq_desc, dq_row, dq_col, q_len, H,
+              sm_scale_log2, WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr, COPIES: gl.constexpr,
+              DQ_TMA: gl.constexpr):
     """One query tile (ring position c) for this warpgroup's 64 keys: dK, dV updated, dQ added.
     Every MMA issued here is retired here (see the forward's _step)."""
     dtype: gl.constexpr = gl.bfloat16
@@ -845,7 +863,6 @@ def _bwd_step(c, sm, dk, dv, pos_k, kd_len, start_m, shift, DQh, q_len, H, sm_sc
     ds = (p * (dp - gl.expand_dims(sm.dl_s.index(st).load(col_l), 0))).to(dtype)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     dv_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), a_layout), do, dv, is_async=True)
-    dk_tok = warpgroup_mma(gl.convert_layout(ds, a_layout), q, dk, is_async=True)
     # dQ = dS K, split like FA4's: both warpgroups put their dS^T (64 keys each) into one shared
     # buffer, then each computes half of dQ's columns over all 128 keys: a [64, D/2] accumulator
     # (a [64, D] one beside dK and dV spills at D=128) and every dQ element added once.
@@ -854,25 +871,34 @@ def _bwd_step(c, sm, dk, dv, pos_k, kd_len, start_m, shift, DQh, q_len, H, sm_sc
     fence_async_shared()
     gl.thread_barrier()  # the whole warpgroup's stores precede its arrival
     _release(sm.ds_ready, c, 2)
-    dv = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok,))
-    dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok,))
-    _release(sm.q_free, c, STAGES)
     dq_layout: gl.constexpr = _mma_layout(dtype, D // 2)
     _acquire_filled(sm.ds_ready, c, 2)  # both halves of dS^T are in ds_s
+    # FA4's order: dV, dQ, dK back to back on the tensor core; dQ's store overlaps dK's MMA
     dq = gl.zeros([BLOCK_M, D // 2], gl.float32, dq_layout)
     for w in gl.static_range(2):  # over the two warpgroups' 64 keys: one dS^T buffer each
         dq = warpgroup_mma(sm.ds_s.index((c % 2) * 2 + w).permute((1, 0)),
                            k_all.slice(w * 64, 64).slice(WG * (D // 2), D // 2, dim=1), dq,
-                           use_acc=w > 0)
-    rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-    offs = (gl.expand_dims(rows * (H * D), 1) + WG * (D // 2)
-            + gl.expand_dims(gl.arange(0, D // 2, layout=gl.SliceLayout(0, dq_layout)), 0))
-    gl.atomic_add(DQh + offs, dq, mask=gl.expand_dims(rows < q_len, 1), sem="relaxed")
+                           use_acc=w > 0, is_async=True)
+    dk_tok = warpgroup_mma(gl.convert_layout(ds, a_layout), q, dk, is_async=True)
+    dv, dq = warpgroup_mma_wait(num_outstanding=1, deps=(dv_tok, dq))
+    if DQ_TMA:  # rows past the document add dS = 0 exactly there: x + 0 = x (never -0: see attn_bwd)
+        buf = sm.dq_s.index((c % 2) * 2 + WG)
+        tma.store_wait(1)  # this warpgroup's reduce of two steps ago has read the buffer
+        buf.store(dq)
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [dq_row + start_m, dq_col], buf)
+    else:
+        rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+        offs = (gl.expand_dims(rows * (H * D), 1) + WG * (D // 2)
+                + gl.expand_dims(gl.arange(0, D // 2, layout=gl.SliceLayout(0, dq_layout)), 0))
+        gl.atomic_add(DQh + offs, dq, mask=gl.expand_dims(rows < q_len, 1), sem="relaxed")
+    dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk_tok,))
+    _release(sm.q_free, c, STAGES)  # Q was dK's last operand
     return dk, dv
 
 @gluon.jit
-def _bwd_consumer(sm, DQ, DK, DV, TILES, sm_scale, T_K, H, HK, WG: gl.constexpr, D: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+def _bwd_consumer(sm, DQ, dq_desc, DK, DV, TILES, sm_scale, T_K, H, HK, WG: gl.constexpr,
+                  D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, TILE_SAFEGUARD: gl.constexpr):
     hk = gl.program_id(1)
     k_start, k_end, kd_start, kd_end, qd_start, q_len, shift, q_lo, q_mid = _key_tile(
@@ -888,25 +914,31 @@ def _bwd_consumer(sm, DQ, DK, DV, TILES, sm_scale, T_K, H, HK, WG: gl.constexpr,
     n_m = gl.cdiv(q_len - q_lo, BLOCK_M)
     n_diag = gl.cdiv(q_mid - q_lo, BLOCK_M)  # flamia loops range(q_lo, q_mid, BLOCK_M)
     partial = k_end - k_start < BLOCK_N  # the box's last keys are the next document's
+    # dQ's adds: TMA reduce-adds of a shared-memory tile (its buffers do not fit beside the
+    # safeguard's per-token K, V copies), else fp32 atomics from registers
+    DQ_TMA: gl.constexpr = not TILE_SAFEGUARD
     c = 0
     for i in range(H // HK):
         hq = hk * (H // HK) + i
         DQh = DQ + (qd_start * H + hq) * D
+        dq_col = hq * D + WG * (D // 2)
         for j in range(0, n_diag):
             dk, dv = _bwd_step(c + j, sm, dk, dv, pos_k, kd_len, q_lo + j * BLOCK_M, shift, DQh,
-                               q_len, H, sm_scale_log2, WG, D, BLOCK_M, STAGES, CAUSAL, True,
-                               TILE_SAFEGUARD)
+                               dq_desc, qd_start, dq_col, q_len, H, sm_scale_log2, WG, D, BLOCK_M,
+                               STAGES, CAUSAL, True, TILE_SAFEGUARD, DQ_TMA)
         if partial:
             for j in range(n_diag, n_m):
                 dk, dv = _bwd_step(c + j, sm, dk, dv, pos_k, kd_len, q_lo + j * BLOCK_M, shift,
-                                   DQh, q_len, H, sm_scale_log2, WG, D, BLOCK_M, STAGES, CAUSAL,
-                                   True, False)
+                                   DQh, dq_desc, qd_start, dq_col, q_len, H, sm_scale_log2, WG, D,
+                                   BLOCK_M, STAGES, CAUSAL, True, False, DQ_TMA)
         else:
             for j in range(n_diag, n_m):
                 dk, dv = _bwd_step(c + j, sm, dk, dv, pos_k, kd_len, q_lo + j * BLOCK_M, shift,
-                                   DQh, q_len, H, sm_scale_log2, WG, D, BLOCK_M, STAGES, CAUSAL,
-                                   False, False)
+                                   DQh, dq_desc, qd_start, dq_col, q_len, H, sm_scale_log2, WG, D,
+                                   BLOCK_M, STAGES, CAUSAL, False, False, DQ_TMA)
         c += n_m
+    if DQ_TMA:
+        tma.store_wait(0)  # the shared memory stays allocated until the last reduce has read it
     keys = k_start + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
     ptrs = gl.expand_dims((keys * HK + hk) * D, 1) + gl.expand_dims(offs_d, 0)
@@ -915,7 +947,7 @@ def _bwd_consumer(sm, DQ, DK, DV, TILES, sm_scale, T_K, H, HK, WG: gl.constexpr,
     gl.store(DV + ptrs, dv.to(DV.dtype.element_ty), mask=kmask)
 
 @gluon.jit
-def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, LSE, DELTA, DQ, DK, DV,
+def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, LSE, DELTA, DQ, dq_desc, DK, DV,
                      TILES, sm_scale, T_Q, T_K, H, HK, D: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BLOCK_TOKENS: gl.constexpr,
                      CAUSAL: gl.constexpr, TILE_SAFEGUARD: gl.constexpr):
@@ -936,6 +968,10 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, LSE, DEL
     dl_s = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], row_l)
     ds_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], gl.bfloat16)
     ds_s = gl.allocate_shared_memory(gl.bfloat16, [4, 64, BLOCK_M], ds_l)
+    if TILE_SAFEGUARD:
+        dq_s = ds_s  # unused: dQ by atomics
+    else:  # (parity, warpgroup) buffers of [BLOCK_M, D/2] fp32
+        dq_s = gl.allocate_shared_memory(gl.float32, [4] + dq_desc.block_type.shape, dq_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     st_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -948,19 +984,29 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, LSE, DEL
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(st_ready.index(i), count=1)
         mbarrier.init(q_free.index(i), count=2)  # both consumer warpgroups release a slot
-    sm = BwdSmem(k_s, v_s, ks_s, vs_s, q_s, do_s, lse_s, dl_s, ds_s, kv_ready, q_ready, st_ready,
-                 q_free, ds_ready)
+    sm = BwdSmem(k_s, v_s, ks_s, vs_s, q_s, do_s, lse_s, dl_s, ds_s, dq_s, kv_ready, q_ready,
+                 st_ready, q_free, ds_ready)
     gl.warp_specialize([
-        (_bwd_consumer, (sm, DQ, DK, DV, TILES, sm_scale, T_K, H, HK, 0, D, BLOCK_M, BLOCK_N,
-                         STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)),
-        (_bwd_consumer, (sm, DQ, DK, DV, TILES, sm_scale, T_K, H, HK, 1, D, BLOCK_M, BLOCK_N,
-                         STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)),
+        (_bwd_consumer, (sm, DQ, dq_desc, DK, DV, TILES, sm_scale, T_K, H, HK, 0, D, BLOCK_M,
+                         BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)),
+        (_bwd_consumer, (sm, DQ, dq_desc, DK, DV, TILES, sm_scale, T_K, H, HK, 1, D, BLOCK_M,
+                         BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)),
         (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, sm, LSE, DELTA, TILES,
                        T_Q, H, HK, D, BLOCK_M, STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)),
     ], [4, 1], [240, 24])
 
 
 BWD_BLOCK_N = 128  # keys per CTA (2 warpgroups x 64): the Plan's key-tile table must use this
+# queries per step, by head dim: FA3/FA4's Hopper tiles (128 at D=64 halves the steps; at D=128 the
+# [64, 128] S^T, dP^T beside dK, dV fill the 240 registers)
+BWD_BLOCK_M = {64: 128, 128: 64}
+
+
+def bwd_block_m(D, tile_safeguard):
+    """Queries per backward step. With the tile safeguard 64 at every head dim: its per-token K, V
+    copies hold registers and shared memory, and dQ goes by atomics (the H200 measured 64 faster at
+    D=64 there; 128 faster without it)."""
+    return 64 if tile_safeguard else BWD_BLOCK_M.get(D, 64)
 
 
 def attn_bwd(q, k, v, ks, vs, do, lse, delta, dk, dv, tiles, *, softmax_scale, causal,
@@ -968,11 +1014,12 @@ def attn_bwd(q, k, v, ks, vs, do, lse, delta, dk, dv, tiles, *, softmax_scale, c
     """dQ (returned), dK, dV (written) of flamia's backward function, on its bf16 operands: q, do
     (Tq, H, D); k, v and the safeguard's per-token copies ks, vs (Tk, HK, D) (the quantized recipes':
     exactly dequantized); lse, delta (H, Tq) fp32; tiles: plan.tiles(BWD_BLOCK_N, "k", causal).
-    tile_safeguard: flamia's per-tile safeguard for 64-query x 128-key tiles (ks, vs on the masked
-    query tiles); without it ks, vs are ignored."""
+    tile_safeguard: flamia's per-tile safeguard for bwd_block_m()-query x 128-key tiles (ks, vs on
+    the masked query tiles); without it ks, vs are ignored. dQ's fp32 sum starts at +0.0, so it is
+    never -0.0 and the zero rows a TMA box adds past a document's end leave the next one's bits."""
     Tq, H, D = q.shape
     Tk, HK = k.shape[:2]
-    BM, BN = 64, BWD_BLOCK_N
+    BM, BN = bwd_block_m(D, tile_safeguard), BWD_BLOCK_N
     dq = torch.zeros(Tq, H, D, dtype=torch.float32, device=q.device)
     if tiles.shape[0] == 0:
         return dq.to(q.dtype)
@@ -982,7 +1029,8 @@ def attn_bwd(q, k, v, ks, vs, do, lse, delta, dk, dv, tiles, *, softmax_scale, c
     vd = _desc(v, (Tk, HK * D), (HK * D, 1), (BN, D))
     ksd = _desc(ks, (Tk, HK * D), (HK * D, 1), (BN, D)) if tile_safeguard else None
     vsd = _desc(vs, (Tk, HK * D), (HK * D, 1), (BN, D)) if tile_safeguard else None
-    _attn_bwd_hopper[(tiles.shape[0], HK)](qd, dod, kd, vd, ksd, vsd, lse, delta, dq, dk, dv,
+    dqd = None if tile_safeguard else _desc(dq, (Tq, H * D), (H * D, 1), (BM, D // 2))
+    _attn_bwd_hopper[(tiles.shape[0], HK)](qd, dod, kd, vd, ksd, vsd, lse, delta, dq, dqd, dk, dv,
                                            tiles, softmax_scale, Tq, Tk, H, HK, D=D, BLOCK_M=BM,
                                            BLOCK_N=BN, STAGES=2, BLOCK_TOKENS=block_tokens,
                                            CAUSAL=causal, TILE_SAFEGUARD=tile_safeguard,
