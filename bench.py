@@ -268,6 +268,9 @@ def bench_attention(args):
                  # the portable tl forward (on Hopper the default above is the Gluon forward)
                  "flamia-mxfp8 B_t=128 tl": lambda: flamia_impl("mxfp8", lens, block_tokens=128,
                                                                 backend="wgmma"),
+                 # the portable tl backward (on Hopper the default is the Gluon backward, whose dQ adds
+                 # run in no fixed order)
+                 "flamia-mxfp8 deterministic": lambda: flamia_impl("mxfp8", lens, deterministic=True),
                  "flamia-bf16": lambda: flamia_impl("bf16", lens),
                  "flamia-nvfp4 (FP4 emulated on Hopper)": lambda: flamia_impl("nvfp4", lens),
                  "flamia-mxfp4 (FP4 emulated on Hopper)": lambda: flamia_impl("mxfp4", lens),
