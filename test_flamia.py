@@ -2526,18 +2526,23 @@ def test_attn_probe_logs_each_layers_error(tmp_path, cpu_training):
     against the bf16 kernels on the same inputs and the step's own dO. For --attn bf16 the probe compares
     the bf16 function with itself: exactly 0 (the probe has no error of its own); for mxfp8 it is the
     quantization error, nonzero in every layer and quantity (O ~3e-2; dV, which depends on P and dO
-    only, ~1e-3)."""
+    only, ~1e-3), split by rounding: bf16 attention on MXFP8-rounded Q and K changes everything, on
+    rounded V alone everything but dV (P and dO are bf16's: dV exactly 0)."""
     args = TINY + ["--n_layers", "2", "--max_steps", "4", "--eval_interval", "4", "--attn_probe_interval", "2"]
     errs = {}
-    for attn in ("bf16", "mxfp8"):
+    for attn, variants in (("bf16", ["bf16"]), ("mxfp8", ["mxfp8", "bf16:qk", "bf16:v", "bf16:qkv"])):
         hist = tlm.main(args + ["--attn", attn, "--out_dir", str(tmp_path / attn)])
         rows = list(csv.DictReader(open(tmp_path / attn / "attn_probe.csv")))
-        assert [(int(r["step"]), int(r["layer"])) for r in rows] == [(2, 0), (2, 1), (4, 0), (4, 1)], rows
+        assert [(int(r["step"]), int(r["layer"]), r["variant"]) for r in rows] == [
+            (s, l, v) for s in (2, 4) for l in (0, 1) for v in variants], rows
         assert rows == [{k: str(v) for k, v in r.items()} for r in hist["attn_probe"]]
-        errs[attn] = [float(r[n]) for r in rows for n in ("o", "dq", "dk", "dv")]
-    assert all(e == 0 for e in errs["bf16"]), errs["bf16"]
-    assert all(0 < e < 0.2 for e in errs["mxfp8"]), errs["mxfp8"]
-    assert all(e > 1e-2 for e in errs["mxfp8"][::4]), errs["mxfp8"]  # O: E4M3's quantization error
+        for v in variants:
+            errs[v] = [[float(r[n]) for n in ("o", "dq", "dk", "dv")] for r in rows if r["variant"] == v]
+    assert all(e == 0 for row in errs["bf16"] for e in row), errs["bf16"]
+    for v in ("mxfp8", "bf16:qk", "bf16:qkv"):
+        assert all(0 < e < 0.2 for row in errs[v] for e in row), (v, errs[v])
+    assert all(row[0] > 1e-2 for row in errs["mxfp8"]), errs["mxfp8"]  # O: E4M3's quantization error
+    assert all(row[3] == 0 and min(row[:3]) > 0 for row in errs["bf16:v"]), errs["bf16:v"]
     with pytest.raises(SystemExit):
         tlm.validate(tlm.parse_config(TINY + ["--attn_probe_interval", "2", "--attn", "sdpa"]))
 

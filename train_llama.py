@@ -395,16 +395,25 @@ class AttnProbe:
         self.calls = None  # a list while a step is probed: [q, k, v, dO, options] per layer
 
     def measure(self, b: Batch, recipe: str) -> list:
+        """Rows (layer, variant, errors). With mxfp8 at B_t=1 also bf16 attention on the operands
+        rounded as --round_only rounds them (variants bf16:qk, bf16:v, bf16:qkv): which of Q/K's, V's
+        rounding, or (mxfp8 minus bf16:qkv) P's, makes the recipe's error."""
+        def run(r, letters, q, k, v, do, kw):
+            x = [t.clone().requires_grad_() for t in (q, k, v)]
+            ins = [round_mxfp8(t, b.cu) if n in letters else t for n, t in zip("qkv", x)]
+            o = flamia.flamia_attn_varlen_func(*ins, b.cu, b.cu, b.max_len, b.max_len, recipe=r, **kw)
+            o.backward(do)
+            return [o.detach()] + [t.grad for t in x]
+        split = recipe == "mxfp8" and all(kw["block_tokens"] == 1 for *_, kw in self.calls)
+        variants = [recipe] + (["bf16:qk", "bf16:v", "bf16:qkv"] if split else [])
         rows = []
         for layer, (q, k, v, do, kw) in enumerate(self.calls):
-            res = []
-            for r in (recipe, "bf16"):
-                x = [t.clone().requires_grad_() for t in (q, k, v)]
-                o = flamia.flamia_attn_varlen_func(*x, b.cu, b.cu, b.max_len, b.max_len, recipe=r, **kw)
-                o.backward(do)
-                res.append([o.detach()] + [t.grad for t in x])
-            err = [((a.float() - r.float()).norm() / r.float().norm()).item() for a, r in zip(*res)]
-            rows.append(dict(layer=layer, **{n: f"{e:.4e}" for n, e in zip(("o", "dq", "dk", "dv"), err)}))
+            ref = run("bf16", "", q, k, v, do, kw)
+            for name in variants:
+                r, _, letters = name.partition(":")
+                err = [((a.float() - e.float()).norm() / e.float().norm()).item()
+                       for a, e in zip(run(r, letters, q, k, v, do, kw), ref)]
+                rows.append(dict(layer=layer, variant=name, **{n: f"{x:.4e}" for n, x in zip(("o", "dq", "dk", "dv"), err)}))
         self.calls = None
         return rows
 
@@ -654,7 +663,7 @@ def train(cfg: Config) -> dict:
         if probed:
             probe_rows += [dict(step=step + 1, **r) for r in PROBE.measure(b, cfg.attn)]
             with open(os.path.join(cfg.out_dir, "attn_probe.csv"), "w", newline="") as fh:
-                w = csv.DictWriter(fh, ["step", "layer", "o", "dq", "dk", "dv"])
+                w = csv.DictWriter(fh, ["step", "layer", "variant", "o", "dq", "dk", "dv"])
                 w.writeheader()
                 w.writerows(probe_rows)
         if cfg.grad_clip > 0:
