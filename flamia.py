@@ -1718,16 +1718,19 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
                    block_tokens):
     """dq, dk, dv from the forward's quantized operands `ops` (unused for bf16)."""
     (Tq, H, D), (Tk, HK) = q.shape, k.shape[:2]
-    r = var.recipe
-    do = do.contiguous()
+    r, do, dtype, tile_safeguard = var.recipe, do.contiguous(), q.dtype, var.modes[1] == "tile"
     delta = torch.empty(H, Tq, dtype=torch.float32, device=o.device)  # rowsum(P * dP) = dO . O
     if Tq > 0:
         _delta_kernel[(triton.cdiv(Tq, 64), H)](o, do, delta, Tq, H, D=D, BLOCK_T=64)
     k_scale = ops.k_exp if r.k_fp4 else delta  # FP4 K's second level; unused unless K_SCALED
-    deq = lambda side, *mxfp8: _dequantize(MXFP8(*mxfp8), q.dtype, plan, side)
+    deq = lambda side, *mxfp8: _dequantize(MXFP8(*mxfp8), dtype, plan, side)
+    # the Gluon backward dequantizes MXFP8 K, V itself: no copies (except beside the tile safeguard's)
+    fp8_kv = (ops.k, ops.k_exp, ops.v_t, ops.v_exp) if (
+        var.bwd == "gluon" and r.quantized and not r.k_fp4 and not tile_safeguard) else None
     if r.quantized:  # bf16 kernels on the exactly dequantized operands (see the section comment)
-        q, v = deq("q", ops.q, ops.q_exp), deq("k", None, ops.v_exp, ops.v_t)
-        k = dequantize_fp4(ops.k, ops.k_block, dtype=q.dtype) if r.k_fp4 else deq("k", ops.k, ops.k_exp)
+        q, v = deq("q", ops.q, ops.q_exp), None if fp8_kv else deq("k", None, ops.v_exp, ops.v_t)
+        k = None if fp8_kv else (dequantize_fp4(ops.k, ops.k_block, dtype=dtype) if r.k_fp4
+                                 else deq("k", ops.k, ops.k_exp))
     else:
         q, k, v = (x.contiguous() for x in (q, k, v))
     ks = deq("k", ops.k_tok, ops.k_tok_exp) if var.copies and not r.k_fp4 else k
@@ -1735,10 +1738,11 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
     dk, dv = ((q.new_zeros if plan.keys_without_rows else q.new_empty)(Tk, HK, D) for _ in "kv")
     if var.bwd == "gluon":  # flamia_hopper.py's backward: the same function, dQ's adds unordered
         tiles = plan.tiles(flamia_hopper.BWD_BLOCK_N, "k", causal)
-        dq = flamia_hopper.attn_bwd(q, k, v, ks, vs, do, lse, delta, dk, dv, tiles,
-                                    softmax_scale=softmax_scale, causal=causal,
-                                    block_tokens=block_tokens, tile_safeguard=var.modes[1] == "tile")
-        return dq, dk, dv
+        dq = flamia_hopper.attn_bwd(q, k, v, ks, vs, do, lse, delta, dk, dv, tiles, fp8_kv=fp8_kv,
+                                    softmax_scale=softmax_scale, causal=causal, block_tokens=block_tokens,
+                                    tile_safeguard=tile_safeguard)
+        del q, k, v, ks, vs  # the bf16 operands: not held while dQ's fp32 sum is converted
+        return dq.to(dtype), dk, dv
     dq = (q.new_zeros if plan.rows_without_keys[causal] else q.new_empty)(Tq, H, D)
     for kernel, outs, (BM, BN, warps, stages), side, heads, mode in (  # per key tile, per query tile
             (_attn_bwd_dkdv, (dk, dv), var.dkdv, "k", HK, var.modes[1]),

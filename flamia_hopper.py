@@ -703,8 +703,9 @@ def attn_fwd(q_data, q_exp, k_data, k_exp, v_data, v_exp, o, lse, tiles, *, soft
 #     dQ[:, half w] = dS K[:, half w]  (both warpgroups' dS^T through shared memory: FA4's split),
 #                                      added to an fp32 dQ by one TMA reduce-add per step (fp32
 #                                      atomics with the tile safeguard, whose copies take dQ's smem).
-# dK and dV stay in registers over all query tiles and heads; dQ's fp32 sum is converted by the
-# host. Its adds run in no fixed order, so dQ's last bits vary: flamia's tl backward is the
+# K and V (bf16 via TMA, or with FP8_KV the forward's MXFP8 data dequantized by the consumers into
+# the same shared memory, once per CTA: no bf16 copies in memory) stay in shared memory, dK and dV
+# in registers over all query tiles and heads; dQ's fp32 sum is converted by the host. Its adds run in no fixed order, so dQ's last bits vary: flamia's tl backward is the
 # deterministic one.
 # Rows past the query document (the next document's, or TMA's zeros past the tensor) get LSE = +inf,
 # so P = 0 there without a mask; masks run only on the causal diagonal and on a key tile that ends
@@ -712,7 +713,8 @@ def attn_fwd(q_data, q_exp, k_data, k_exp, v_data, v_exp, o, lse, tiles, *, soft
 @aggregate
 class BwdSmem:
     """The backward's shared memory. Barriers (count: who arrives -> who waits):
-      kv_ready     (1, expect-tx: TMA) K, V (and KS, VS) of the key tile -> both consumers, once
+      kv_ready     (1, expect-tx: TMA) K, V (and KS, VS) of the key tile -> both consumers, once;
+                   (2) with FP8_KV each consumer WG, its 64 keys dequantized -> both consumers
       q_ready[S]   (1, expect-tx: TMA) Q and dO of ring position c       -> both consumers
       st_ready[S]  (1) loader, LSE (log2) and Delta staged               -> both consumers
       q_free[S]    (2) each consumer WG after its last MMA on the slot   -> loader
@@ -794,15 +796,17 @@ def _stage_rows(LSEh, DELTAh, lse_slot, dl_slot, start_m, q_len, BLOCK_M: gl.con
 @gluon.jit
 def _bwd_loader(q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, sm, LSE, DELTA, TILES, T_Q, H,
                 HK, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, TILE_SAFEGUARD: gl.constexpr):
+                BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, TILE_SAFEGUARD: gl.constexpr,
+                FP8_KV: gl.constexpr):
     hk = gl.program_id(1)
     k_start, k_end, kd_start, kd_end, qd_start, q_len, shift, q_lo, q_mid = _key_tile(
         TILES, BLOCK_M, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)
     bar = sm.kv_ready.index(0)
     copies: gl.constexpr = 2 if TILE_SAFEGUARD else 1
-    mbarrier.expect(bar, 2 * copies * k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [k_start, hk * D], bar, sm.k_s)
-    tma.async_copy_global_to_shared(v_desc, [k_start, hk * D], bar, sm.v_s)
+    if not FP8_KV:  # (else the consumers dequantize K, V into k_s, v_s themselves)
+        mbarrier.expect(bar, 2 * copies * k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_start, hk * D], bar, sm.k_s)
+        tma.async_copy_global_to_shared(v_desc, [k_start, hk * D], bar, sm.v_s)
     if TILE_SAFEGUARD:
         tma.async_copy_global_to_shared(ks_desc, [k_start, hk * D], bar, sm.ks_s)
         tma.async_copy_global_to_shared(vs_desc, [k_start, hk * D], bar, sm.vs_s)
@@ -823,6 +827,41 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, sm, LSE, DELT
                         sm.dl_s.index(s), start_m, q_len, BLOCK_M)
             _release(sm.st_ready, c, STAGES)
             c += 1
+
+@gluon.jit
+def _dequantize_keys(K8, V8T, EK, EV, k_dst, v_dst, k0, k_end, p0, hk, HK, T_KPAD, D: gl.constexpr):
+    """FP8_KV: 64 keys [k0, k0 + 64) of K/V head hk from the forward's MXFP8 operands into the MMA's
+    shared memory in bf16: E4M3 times 2^(e - 127), flamia's _dequantize_kernel (exact in bf16), in
+    place of its dequantized copies (their memory and their pass). K is row-major (T, HK, D), V
+    token-transposed (HK, D, T_pad); exponents (HK, T_pad) at padded column p0 for key k0. Keys past
+    k_end are zeros where TMA read the next document's: masked (P = dS = 0) either way."""
+    # 16 keys at a time (few registers live: this runs once per CTA, before dK and dV's)
+    kl: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (D // 16), D // 16], [4, 1], [1, 0])
+    vl: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [1, 4], [0, 1])
+    for i in gl.static_range(4):
+        # the chunk's padded column, kept inside V^T and the exponent rows: a chunk past them holds
+        # only keys past k_end (zeroed below), so the loads need no mask and go 16 bytes wide
+        c0 = gl.multiple_of(gl.minimum(p0 + 16 * i, T_KPAD - 16), 16)
+        r = 16 * i + gl.arange(0, 16, layout=gl.SliceLayout(1, kl))
+        ok = k0 + r < k_end
+        k = gl.load(K8 + gl.expand_dims(((k0 + r) * HK + hk) * D, 1)
+                    + gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, kl)), 0),
+                    mask=gl.expand_dims(ok, 1), other=0.0)
+        e = gl.load(EK + hk * T_KPAD + c0 + gl.arange(0, 16, layout=gl.SliceLayout(1, kl)))
+        k_dst.slice(16 * i, 16).store(_times_exp2(k, e, ok))
+        r = 16 * i + gl.arange(0, 16, layout=gl.SliceLayout(1, vl))
+        ok = k0 + r < k_end
+        v = gl.load(V8T + (hk * D + gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, vl)), 0))
+                    * T_KPAD + c0 + gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(1, vl)), 1))
+        e = gl.load(EV + hk * T_KPAD + c0 + gl.arange(0, 16, layout=gl.SliceLayout(1, vl)))
+        v_dst.slice(16 * i, 16).store(_times_exp2(v, e, ok))
+
+@gluon.jit
+def _times_exp2(x, e, ok):
+    """E4M3 rows x times 2^(e - 127) per row, in bf16 (exact); zeros in rows not ok (keys past the
+    tile: never bytes the quantizer left unwritten, where a NaN times P = 0 would be NaN)."""
+    y = x.to(gl.float32) * gl.expand_dims(_exp2_int(e.to(gl.int32)), 1)
+    return gl.where(gl.expand_dims(ok, 1), y, 0.0).to(gl.bfloat16)
 
 @gluon.jit
 def _bwd_step(c, sm, dk, dv, pos_k, kd_len, start_m, shift, DQh, dq_desc, dq_row, dq_col, q_len, H,
@@ -897,9 +936,10 @@ def _bwd_step(c, sm, dk, dv, pos_k, kd_len, start_m, shift, DQh, dq_desc, dq_row
     return dk, dv
 
 @gluon.jit
-def _bwd_consumer(sm, DQ, dq_desc, DK, DV, TILES, sm_scale, T_K, H, HK, WG: gl.constexpr,
-                  D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, TILE_SAFEGUARD: gl.constexpr):
+def _bwd_consumer(sm, DQ, dq_desc, DK, DV, K8, V8T, EK, EV, T_KPAD, TILES, sm_scale, T_K, H, HK,
+                  WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr,
+                  TILE_SAFEGUARD: gl.constexpr, FP8_KV: gl.constexpr):
     hk = gl.program_id(1)
     k_start, k_end, kd_start, kd_end, qd_start, q_len, shift, q_lo, q_mid = _key_tile(
         TILES, BLOCK_M, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)
@@ -908,6 +948,13 @@ def _bwd_consumer(sm, DQ, dq_desc, DK, DV, TILES, sm_scale, T_K, H, HK, WG: gl.c
     pos_k = k_start - kd_start + WG * 64 + gl.arange(0, 64, layout=row_l)
     kd_len = kd_end - kd_start
     sm_scale_log2 = sm_scale * 1.4426950408889634
+    if FP8_KV:  # before dK, dV's registers are live
+        p0 = gl.load(TILES + gl.program_id(0) * 8 + 7) + k_start - kd_start  # OWN_PAD: padded column
+        _dequantize_keys(K8, V8T, EK, EV, sm.k_s.slice(WG * 64, 64), sm.v_s.slice(WG * 64, 64),
+                         k_start + WG * 64, k_end, p0 + WG * 64, hk, HK, T_KPAD, D)
+        fence_async_shared()
+        gl.thread_barrier()  # the whole warpgroup's stores precede its arrival
+        mbarrier.arrive(sm.kv_ready.index(0), count=1)
     dk = gl.zeros([64, D], gl.float32, o_layout)
     dv = gl.zeros([64, D], gl.float32, o_layout)
     mbarrier.wait(sm.kv_ready.index(0), 0)
@@ -947,15 +994,17 @@ def _bwd_consumer(sm, DQ, dq_desc, DK, DV, TILES, sm_scale, T_K, H, HK, WG: gl.c
     gl.store(DV + ptrs, dv.to(DV.dtype.element_ty), mask=kmask)
 
 @gluon.jit
-def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, LSE, DELTA, DQ, dq_desc, DK, DV,
-                     TILES, sm_scale, T_Q, T_K, H, HK, D: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BLOCK_TOKENS: gl.constexpr,
-                     CAUSAL: gl.constexpr, TILE_SAFEGUARD: gl.constexpr):
-    k_s = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
-    v_s = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, K8, V8T, EK, EV, T_KPAD, LSE,
+                     DELTA, DQ, dq_desc, DK, DV, TILES, sm_scale, T_Q, T_K, H, HK, D: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, TILE_SAFEGUARD: gl.constexpr,
+                     FP8_KV: gl.constexpr):
+    kv_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16)  # = _desc's
+    k_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, D], kv_l)
+    v_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, D], kv_l)
     if TILE_SAFEGUARD:
-        ks_s = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
-        vs_s = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+        ks_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, D], kv_l)
+        vs_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, D], kv_l)
     else:
         ks_s = k_s
         vs_s = v_s
@@ -977,7 +1026,7 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, LSE, DEL
     st_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_ready.index(0), count=1)
+    mbarrier.init(kv_ready.index(0), count=2 if FP8_KV else 1)
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)  # both consumer warpgroups stored their dS^T
     for i in gl.static_range(STAGES):
@@ -987,12 +1036,14 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, LSE, DEL
     sm = BwdSmem(k_s, v_s, ks_s, vs_s, q_s, do_s, lse_s, dl_s, ds_s, dq_s, kv_ready, q_ready,
                  st_ready, q_free, ds_ready)
     gl.warp_specialize([
-        (_bwd_consumer, (sm, DQ, dq_desc, DK, DV, TILES, sm_scale, T_K, H, HK, 0, D, BLOCK_M,
-                         BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)),
-        (_bwd_consumer, (sm, DQ, dq_desc, DK, DV, TILES, sm_scale, T_K, H, HK, 1, D, BLOCK_M,
-                         BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)),
+        (_bwd_consumer, (sm, DQ, dq_desc, DK, DV, K8, V8T, EK, EV, T_KPAD, TILES, sm_scale, T_K, H,
+                         HK, 0, D, BLOCK_M, BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD,
+                         FP8_KV)),
+        (_bwd_consumer, (sm, DQ, dq_desc, DK, DV, K8, V8T, EK, EV, T_KPAD, TILES, sm_scale, T_K, H,
+                         HK, 1, D, BLOCK_M, BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD,
+                         FP8_KV)),
         (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, sm, LSE, DELTA, TILES,
-                       T_Q, H, HK, D, BLOCK_M, STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)),
+                       T_Q, H, HK, D, BLOCK_M, STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD, FP8_KV)),
     ], [4, 1], [240, 24])
 
 
@@ -1010,29 +1061,40 @@ def bwd_block_m(D, tile_safeguard):
 
 
 def attn_bwd(q, k, v, ks, vs, do, lse, delta, dk, dv, tiles, *, softmax_scale, causal,
-             block_tokens=1, tile_safeguard=False):
-    """dQ (returned), dK, dV (written) of flamia's backward function, on its bf16 operands: q, do
-    (Tq, H, D); k, v and the safeguard's per-token copies ks, vs (Tk, HK, D) (the quantized recipes':
-    exactly dequantized); lse, delta (H, Tq) fp32; tiles: plan.tiles(BWD_BLOCK_N, "k", causal).
-    tile_safeguard: flamia's per-tile safeguard for bwd_block_m()-query x 128-key tiles (ks, vs on
-    the masked query tiles); without it ks, vs are ignored. dQ's fp32 sum starts at +0.0, so it is
-    never -0.0 and the zero rows a TMA box adds past a document's end leave the next one's bits."""
+             block_tokens=1, tile_safeguard=False, fp8_kv=None):
+    """dQ (returned, fp32), dK, dV (written) of flamia's backward function, on its bf16 operands: q,
+    do (Tq, H, D); k, v and the safeguard's per-token copies ks, vs (Tk, HK, D) (the quantized
+    recipes': exactly dequantized); lse, delta (H, Tq) fp32; tiles: plan.tiles(BWD_BLOCK_N, "k",
+    causal). tile_safeguard: flamia's per-tile safeguard for bwd_block_m()-query x 128-key tiles
+    (ks, vs on the masked query tiles); without it ks, vs are ignored. fp8_kv: instead of k, v (then
+    None), the forward's MXFP8 K and V as (k_data (Tk, HK, D), k_exp, v_data_t (HK, D, T_pad),
+    v_exp (HK, T_pad)), dequantized by the kernel (not with the tile safeguard). dQ's fp32 sum
+    starts at +0.0, so it is never -0.0 and the zero rows a TMA box adds past a document's end leave
+    the next one's bits."""
     Tq, H, D = q.shape
-    Tk, HK = k.shape[:2]
+    Tk, HK = dk.shape[:2]
     BM, BN = bwd_block_m(D, tile_safeguard), BWD_BLOCK_N
     dq = torch.zeros(Tq, H, D, dtype=torch.float32, device=q.device)
     if tiles.shape[0] == 0:
-        return dq.to(q.dtype)
+        return dq
+    if fp8_kv is not None:
+        assert not tile_safeguard, "fp8_kv: the tile safeguard's copies come as bf16 k, v"
+        k8, ek, v8t, ev = fp8_kv
+        assert ek.shape == ev.shape == (HK, v8t.shape[-1]), "fp8_kv: one padded token layout"
+        kd = vd = None
+    else:
+        kd = _desc(k, (Tk, HK * D), (HK * D, 1), (BN, D))
+        vd = _desc(v, (Tk, HK * D), (HK * D, 1), (BN, D))
+        k8 = v8t = ek = ev = lse  # unused
     qd = _desc(q, (Tq, H * D), (H * D, 1), (BM, D))
     dod = _desc(do, (Tq, H * D), (H * D, 1), (BM, D))
-    kd = _desc(k, (Tk, HK * D), (HK * D, 1), (BN, D))
-    vd = _desc(v, (Tk, HK * D), (HK * D, 1), (BN, D))
     ksd = _desc(ks, (Tk, HK * D), (HK * D, 1), (BN, D)) if tile_safeguard else None
     vsd = _desc(vs, (Tk, HK * D), (HK * D, 1), (BN, D)) if tile_safeguard else None
     dqd = None if tile_safeguard else _desc(dq, (Tq, H * D), (H * D, 1), (BM, D // 2))
-    _attn_bwd_hopper[(tiles.shape[0], HK)](qd, dod, kd, vd, ksd, vsd, lse, delta, dq, dqd, dk, dv,
-                                           tiles, softmax_scale, Tq, Tk, H, HK, D=D, BLOCK_M=BM,
-                                           BLOCK_N=BN, STAGES=2, BLOCK_TOKENS=block_tokens,
-                                           CAUSAL=causal, TILE_SAFEGUARD=tile_safeguard,
-                                           num_warps=4, maxnreg=168)
-    return (dq * softmax_scale).to(q.dtype)
+    _attn_bwd_hopper[(tiles.shape[0], HK)](qd, dod, kd, vd, ksd, vsd, k8, v8t, ek, ev, ek.shape[-1],
+                                           lse, delta, dq, dqd, dk, dv, tiles, softmax_scale, Tq,
+                                           Tk, H, HK, D=D, BLOCK_M=BM, BLOCK_N=BN, STAGES=2,
+                                           BLOCK_TOKENS=block_tokens, CAUSAL=causal,
+                                           TILE_SAFEGUARD=tile_safeguard,
+                                           FP8_KV=fp8_kv is not None, num_warps=4, maxnreg=168)
+    return dq.mul_(softmax_scale)  # in place: no second fp32 dQ at the backward's peak
