@@ -35,20 +35,30 @@ import triton.testing
 import flamia
 
 
-def do_bench(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+def do_bench(fn, leaves=None):
+    """Median ms of fn. leaves: tensors whose .grad is cleared before every call, outside the timing
+    (grad_to_none): a training step's q, k, v are not leaves, and accumulating into their .grad would
+    time an elementwise add in every row (about 0.2 ms per call at 16k tokens, H16 D128), which
+    cuDNN's graphs, writing their own buffers, never pay."""
+    return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=leaves, return_mode="median")
+
+
+def fwd_bwd(fn, q, k, v, do):
+    """fn's forward and backward on leaf copies of q, k, v, and those leaves (for do_bench)."""
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    return (lambda: torch.autograd.backward(fn(*leaves), do)), leaves
 
 
 def bench_rounds(fns, rounds):
-    """{name: (fwd, fwd+bwd) callables} -> {name: (fwd ms, fwd+bwd ms)}: each the median over `rounds`
+    """{name: (fwd, fwd+bwd callables, leaves)} -> {name: (fwd ms, fwd+bwd ms)}: each the median over `rounds`
     round-robin passes of do_bench medians (for an even count the slower of the two middle values). The H200's clock drifts with heat and power over a run
     (the same kernel measured 10-15% apart depending on what ran before it), so every implementation
     is timed in every round, interleaved, instead of one after the other."""
     times = {name: ([], []) for name in fns}
     for _ in range(rounds):
-        for name, (fwd, fb) in fns.items():
+        for name, (fwd, fb, leaves) in fns.items():
             times[name][0].append(do_bench(fwd))
-            times[name][1].append(do_bench(fb))
+            times[name][1].append(do_bench(fb, leaves))
     return {name: (sorted(tf)[len(tf) // 2], sorted(tfb)[len(tfb) // 2]) for name, (tf, tfb) in times.items()}
 
 
@@ -244,7 +254,7 @@ def cudnn_impls(lens, H, HK, D):
         try:
             f, b = graph(False), graph(True)
             f()
-            out[name] = (f, lambda f=f, b=b: (f(), b()))
+            out[name] = (f, lambda f=f, b=b: (f(), b()), None)
         except Exception as e:  # e.g. cuDNN declines FP8 graphs it does not support on this GPU
             print(f"  {name}: skipped ({type(e).__name__}: {str(e)[:120]})")
     return out
@@ -289,12 +299,11 @@ def bench_attention(args):
                 continue
             try:
                 fn = make()
-                qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
                 fwd = lambda fn=fn: fn(q, k, v)
-                fb = lambda fn=fn, qq=qq, kk=kk, vv=vv: torch.autograd.backward(fn(qq, kk, vv), do)
+                fb, leaves = fwd_bwd(fn, q, k, v, do)
                 fwd(), fb()
                 torch.cuda.synchronize()
-                fns[iname] = (fwd, fb)
+                fns[iname] = (fwd, fb, leaves)
             except Exception as e:
                 print(f"  {name} {iname}: skipped ({type(e).__name__}: {str(e)[:120]})")
         try:
@@ -465,11 +474,11 @@ def bench_accuracy(args):
             o.backward(do)
             rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
             r = dict(data=data, recipe=recipe, block_tokens=bt, o=rel(o, o6), dq=rel(qq.grad, q6.grad),
-                     dk=rel(kk.grad, k6.grad), dv=rel(vv.grad, v6.grad))  # before timing: it accumulates grads
+                     dk=rel(kk.grad, k6.grad), dv=rel(vv.grad, v6.grad))  # before timing: it clears .grad
             fb = lambda: torch.autograd.backward(flamia.flamia_attn_varlen_func(
                 qq, kk, vv, cu, cu, max(lens), max(lens), recipe=recipe, block_tokens=bt, plan=plan,
                 check_finite=False), do)
-            ms = r["fwdbwd_ms"] = do_bench(fb) if data == "normal" else float("nan")
+            ms = r["fwdbwd_ms"] = do_bench(fb, [qq, kk, vv]) if data == "normal" else float("nan")
             rows.append(r)
             print(f"{data:6s} {recipe:5s} B_t={bt:3d}: rel L2 vs fp64  O {r['o']:.4f}  dQ {r['dq']:.4f}  "
                   f"dK {r['dk']:.4f}  dV {r['dv']:.4f}   fwd+bwd {ms:.3f} ms")
@@ -487,9 +496,7 @@ def bench_block_tokens(args):
         fns = {}
         for bt in flamia.BLOCK_TOKENS:
             fn = flamia_impl("mxfp8", lens, block_tokens=bt)
-            qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
-            fns[bt] = (lambda fn=fn: fn(q, k, v), lambda fn=fn, qq=qq, kk=kk, vv=vv: torch.autograd.backward(
-                fn(qq, kk, vv), do))
+            fns[bt] = (lambda fn=fn: fn(q, k, v), *fwd_bwd(fn, q, k, v, do))
         for bt, (tf, tfb) in bench_rounds(fns, args.rounds).items():
             rows.append(dict(workload=name, block_tokens=bt, fwd_tflops=flops / tf / 1e9,
                              bwd_tflops=2.5 * flops / (tfb - tf) / 1e9, fwdbwd_tflops=3.5 * flops / tfb / 1e9))
@@ -527,7 +534,7 @@ def bench_tune(args):
             for cfg in bwd_cfgs:
                 flamia.TILES[D] = tiles0[D]._replace(dkdv=cfg[0], dq=cfg[1])
                 try:
-                    ms = do_bench(lambda: torch.autograd.backward(o, do, retain_graph=True))
+                    ms = do_bench(lambda: torch.autograd.backward(o, do, retain_graph=True), [qq, kk, vv])
                     rows.append(dict(workload=name, recipe=recipe, kind="bwd", cfg=cfg, ms=ms,
                                      tflops=2.5 * flops / ms / 1e9))
                     print(f"{name} {recipe} bwd {cfg}: {ms:.3f} ms {2.5 * flops / ms / 1e9:.0f} TFLOP/s")
