@@ -705,8 +705,8 @@ def attn_fwd(q_data, q_exp, k_data, k_exp, v_data, v_exp, o, lse, tiles, *, soft
 #                                      atomics with the tile safeguard, whose copies take dQ's smem).
 # K and V (bf16 via TMA, or with FP8_KV the forward's MXFP8 data dequantized by the consumers into
 # the same shared memory, once per CTA: no bf16 copies in memory) stay in shared memory, dK and dV
-# in registers over all query tiles and heads; dQ's fp32 sum is converted by the host. Its adds run in no fixed order, so dQ's last bits vary: flamia's tl backward is the
-# deterministic one.
+# in registers over all query tiles and heads; dQ's fp32 sum is converted by the host. Its adds run
+# in no fixed order, so dQ's last bits vary: flamia's tl backward is the deterministic one.
 # Rows past the query document (the next document's, or TMA's zeros past the tensor) get LSE = +inf,
 # so P = 0 there without a mask; masks run only on the causal diagonal and on a key tile that ends
 # inside its box (its last rows are the next document's keys: P must be 0 there, or dQ takes them).

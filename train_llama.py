@@ -413,7 +413,8 @@ class AttnProbe:
                 r, _, letters = name.partition(":")
                 err = [((a.float() - e.float()).norm() / e.float().norm()).item()
                        for a, e in zip(run(r, letters, q, k, v, do, kw), ref)]
-                rows.append(dict(layer=layer, variant=name, **{n: f"{x:.4e}" for n, x in zip(("o", "dq", "dk", "dv"), err)}))
+                rows.append(dict(layer=layer, variant=name,
+                                 **{n: f"{x:.4e}" for n, x in zip(("o", "dq", "dk", "dv"), err)}))
         self.calls = None
         return rows
 
