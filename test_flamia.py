@@ -2522,6 +2522,45 @@ def test_round_only_diagnostic_isolates_operand_rounding():
             tlm.validate(tlm.parse_config(TINY + bad))
 
 
+def test_grad_attn_trains_on_one_attentions_values_and_anothers_gradient():
+    """--grad_attn (the loss-gap ablation of P's rounding: mxfp8's forward values with the consistent
+    gradient of bf16 on the rounded operands, or the reverse): attend's output is bitwise the --attn
+    attention's, its gradient the --grad_attn attention's (dq up to the GPU's unordered dQ adds), and
+    the two differ, so the split is real; without grad (validation) only --attn runs; misuse is refused."""
+    lens = (40, 1, 70)
+    cu = cu_of(lens)
+    q, k, v = qkv(82, sum(lens), H=2, HK=1)
+    do = randn(torch.Generator().manual_seed(5), sum(lens), 2, 64, dtype=BF16)
+    b = tlm.Batch(torch.zeros(sum(lens), dtype=torch.long), None, cu, list(lens), sum(lens))
+
+    def run(cfg, grad=True):
+        x = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+        out = tlm.attend(*x, b, cfg)
+        if grad:
+            out.backward(do)
+        return [out.detach()] + [t.grad for t in x]
+
+    for attn, grad_attn in (("mxfp8", "bf16:qkv"), ("bf16:qkv", "mxfp8")):
+        value_cfg = tlm.replace(tlm.parse_config(TINY), attn=attn.partition(":")[0], round_only=attn.partition(":")[2])
+        grad_cfg = tlm.replace(value_cfg, attn=grad_attn.partition(":")[0], round_only=grad_attn.partition(":")[2])
+        split = tlm.replace(value_cfg, grad_attn=grad_attn)
+        tlm.validate(split)
+        got, value, grad = run(split), run(value_cfg), run(grad_cfg)
+        assert_bitwise(got[0], value[0], f"{attn} / {grad_attn}: out")
+        assert_bitwise(run(split, grad=False)[0], value[0], f"{attn} / {grad_attn}: out without grad")
+        # The two attentions differ (interpreter: out 1.4e-2, dq 8.1e-3, dk 7.9e-3; dv 1.3e-4, both
+        # backwards recompute the same unrounded P) by more than what is compared below can differ by.
+        assert rel_l2(value[0], grad[0]) > 7e-3, "out: the two attentions should differ (P's E4M3 rounding)"
+        for name, a, g, other in zip(("dq", "dk", "dv"), got[1:], grad[1:], value[1:]):
+            assert rel_l2(a, g) <= 1e-3, (attn, grad_attn, name, rel_l2(a, g))
+            if name != "dv":
+                assert rel_l2(other, g) > 4e-3, (attn, grad_attn, name, rel_l2(other, g))
+    for bad in (["--grad_attn", "mxfp9"], ["--grad_attn", "bf16:qx"], ["--grad_attn", "mxfp8:q"],
+                ["--grad_attn", "bf16", "--attn_probe_interval", "2"]):
+        with pytest.raises(SystemExit):
+            tlm.validate(tlm.parse_config(TINY + bad))
+
+
 def test_attn_probe_logs_each_layers_error(tmp_path, cpu_training):
     """--attn_probe_interval: every N steps, one row per layer with the relative error of O, dq, dk, dv
     against the bf16 kernels on the same inputs and the step's own dO. For --attn bf16 the probe compares

@@ -78,6 +78,7 @@ class Config:
     round_only: str = ""  # diagnostic, with --attn bf16: round just these of q,k,v to MXFP8 (per token), P in bf16
     attn_probe_interval: int = 0  # diagnostic: every N steps, each layer's attention error vs bf16 (attn_probe.csv)
     eval_attn: str = ""  # diagnostic: after training, val loss again with each of these attentions (bf16,mxfp8,bf16:qk)
+    grad_attn: str = ""  # diagnostic: train on --attn's output values but this attention's gradient (e.g. bf16:qkv)
     block_tokens: int = flamia.DEFAULT_BLOCK_TOKENS  # tokens per K/V scale block (128: faster on long documents)
     tokens_per_batch: int = 32768  # token budget per rank and step; global batch = this x world size
     max_doc_len: int = 2048  # context window: longer documents are cut into pieces this long
@@ -175,11 +176,14 @@ def validate(cfg: Config):
     if cfg.round_only and (cfg.attn != "bf16" or cfg.block_tokens != 1 or set(cfg.round_only) - set("qkv")):
         die(f"--round_only {cfg.round_only!r}: letters of 'qkv', with --attn bf16 and --block_tokens 1 (it "
             "rounds those operands to per-token MXFP8 before FLAMIA's bf16 kernels)")
+    bad_item = lambda attn, letters: attn not in attns or (letters and (attn != "bf16" or set(letters) - set("qkv")))
     for item in filter(None, cfg.eval_attn.split(",")):  # RECIPE, or bf16:LETTERS (as --round_only)
-        attn, _, letters = item.partition(":")
-        if attn not in attns or (letters and (attn != "bf16" or set(letters) - set("qkv"))) or cfg.compile:
+        if bad_item(*item.partition(":")[::2]) or cfg.compile:
             die(f"--eval_attn {item!r}: a recipe of {', '.join(attns)}, or bf16:LETTERS of 'qkv' (--round_only); "
                 "not with --compile")
+    if cfg.grad_attn and (bad_item(*cfg.grad_attn.partition(":")[::2]) or cfg.attn_probe_interval):
+        die(f"--grad_attn {cfg.grad_attn!r}: a recipe of {', '.join(attns)}, or bf16:LETTERS of 'qkv' "
+            "(--round_only); not with --attn_probe_interval")
     if cfg.attn_probe_interval and (cfg.attn == "sdpa" or cfg.compile):
         die("--attn_probe_interval measures a FLAMIA recipe against FLAMIA's bf16 kernels, eagerly: "
             "not with --attn sdpa or --compile")
@@ -364,6 +368,12 @@ def round_mxfp8(x, cu):
 
 def attend(q, k, v, b: Batch, cfg: Config):
     """Causal attention inside each document of the batch: q (T, H, D), k and v (T, Hk, D)."""
+    if cfg.grad_attn and torch.is_grad_enabled():  # the loss-gap ablation of the forward's values vs the gradient
+        attn, _, letters = cfg.grad_attn.partition(":")
+        grad = attend(q, k, v, b, replace(cfg, attn=attn, round_only=letters, grad_attn=""))
+        with torch.no_grad():
+            value = attend(q, k, v, b, replace(cfg, grad_attn=""))
+        return value.to(grad.dtype) + (grad - grad.detach())  # value's numbers exactly (+0), grad's backward
     if cfg.attn == "sdpa":  # the independent reference: a plain causal SDPA per document
         k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1).to(q.dtype) for x in (k, v))
         docs = zip(*(x.split(b.lens) for x in (q, k, v)))  # a Python loop: correct and simple, not fast
@@ -598,7 +608,8 @@ def train(cfg: Config) -> dict:
     torch.manual_seed(cfg.seed)  # the same init on every rank (DDP broadcasts rank 0's anyway)
     model = raw = Llama(cfg).to(device)
     n_matmul = sum(p.numel() for p in model.parameters() if p.dim() == 2)  # the tied head counts once
-    log(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, attention {cfg.attn}, "
+    log(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, attention {cfg.attn}"
+        f"{':' + cfg.round_only if cfg.round_only else ''}{', gradient ' + cfg.grad_attn if cfg.grad_attn else ''}, "
         f"global batch {cfg.tokens_per_batch * world:,} tokens")
     # Weight decay on matmul weights only: decaying RMSNorm gains pulls them toward 0, not toward "simple".
     groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
