@@ -216,7 +216,7 @@ def _check_tensor(x, name: str, dims: int = 3) -> None:
         shape = "(total, heads, head_dim)" if dims == 3 else "(batch, seqlen, heads, head_dim)"
         raise ValueError(f"{name} must have {dims} dims {shape}, got shape {tuple(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-        raise TypeError(f"{name} must be bfloat16 or float16, got {x.dtype}")
+        raise TypeError(f"{name} must be bfloat16, float16, float32 or float64, got {x.dtype}")
     if x.shape[-1] not in HEAD_DIMS:
         raise ValueError(f"{name} has head_dim {x.shape[-1]}; supported head dims are {HEAD_DIMS}")
 
@@ -1958,6 +1958,20 @@ def _check_options(recipe, block_tokens, backend) -> None:
         raise ValueError(why)
 
 
+def _gpu_refusal(recipe, capability) -> Optional[str]:
+    """Why a GPU of this compute capability cannot run the recipe's kernels (None: it can). The FP8
+    recipes multiply E4M3 operands (FP4 ones too: Q and V are MXFP8), which needs FP8 tensor cores
+    (sm_89 and later); bf16 needs bf16 tensor cores (sm_80 and later). Refused here, not by the
+    compiler's error deep in a kernel."""
+    need = (8, 9) if _RECIPES[recipe].quantized else (8, 0)
+    if tuple(capability) >= need:
+        return None
+    have = ".".join(map(str, capability))
+    return (f"recipe={recipe!r} needs a GPU of compute capability >= {need[0]}.{need[1]} "
+            f"({'FP8' if need == (8, 9) else 'bf16'} tensor cores), this one has {have}"
+            + ("; recipe='bf16' runs here" if need == (8, 9) and tuple(capability) >= (8, 0) else ""))
+
+
 def _attention(q, k, v, cu_q, cu_k, dense, causal, softmax_scale, recipe, block_tokens, safeguard,
                rotate_qk, backend, check_finite, deterministic):
     """Both public functions, after validation: the kernels, or the oracle where none run."""
@@ -1969,6 +1983,8 @@ def _attention(q, k, v, cu_q, cu_k, dense, causal, softmax_scale, recipe, block_
                                      recipe=recipe, block_tokens=block_tokens, safeguard=safeguard,
                                      rotate_qk=rotate_qk, return_lse=True)
         return o.to(q.dtype), lse
+    if q.is_cuda and (why := _gpu_refusal(recipe, torch.cuda.get_device_capability(q.device))):
+        raise ValueError(why)
     if rotate_qk:  # outside the custom op: autograd rotates dQ, dK back
         q, k, softmax_scale = _rotate_qk(q, k, softmax_scale)
     return _FlamiaAttention.apply(q, k, v, cu_q, cu_k, dense, causal, softmax_scale, recipe,
@@ -2069,6 +2085,10 @@ def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BL
 
     def flamia_hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         (B, H, Sq, D), Sk = query.shape, key.shape[2]
+        if D not in HEAD_DIMS:
+            raise ValueError(f"head_dim {D}: FLAMIA's kernels take head_dim "
+                             f"{' or '.join(map(str, HEAD_DIMS))}; set the model config's head_dim (e.g. "
+                             f"LlamaConfig(head_dim=64)), or hidden_size / num_attention_heads to one of them")
         if attention_mask is not None and (attention_mask.dim() != 2 or not attention_mask.all()):
             raise ValueError(f"attention_mask: FLAMIA takes no padding or 4-D mask (it applies the "
                              f"causal, per-document mask itself); got shape {tuple(attention_mask.shape)}. "

@@ -473,6 +473,16 @@ def test_triton_quantizer_bit_identical(dtype, D, bt):
             assert_bitwise(got, ref.dequantize(cu).to(dtype), f"{where}: dequantized from the {what} data")
 
 
+def test_quantizer_input_dtypes_named_in_the_refusal():
+    """The quantizers take bf16, fp16, fp32 and fp64 (the attention functions only bf16 and fp16): an
+    fp32 tensor quantizes, and an integer one is refused with a message listing exactly those."""
+    plan = flamia.flamia_plan(torch.tensor([0, 40], dtype=torch.int32), device=DEVICE)
+    x = randn(torch.Generator().manual_seed(3), 40, 2, 64).float()
+    assert flamia.quantize_mxfp8(x, plan).data.shape == (40, 2, 64)
+    with pytest.raises(TypeError, match=r"^x must be bfloat16, float16, float32 or float64, got torch.int32$"):
+        flamia.quantize_mxfp8(x.to(torch.int32), plan)
+
+
 @pytest.mark.parametrize("bt,copy", [(1, False), (32, True), (128, True)])
 def test_quantizer_second_tensor_same_launch(bt, copy):
     """quantize_mxfp8_launch(second=(v, True)) -- K and V in one launch, as the forward does -- writes
@@ -2646,6 +2656,22 @@ def test_train_smoke_checkpoint_resume_and_leak_probe(tmp_path, cpu_training):
     assert (tmp_path / "compare.png").stat().st_size > 0
 
 
+def test_leak_demo_leads_with_the_audit_and_keeps_its_own_files(tmp_path, cpu_training, monkeypatch, capsys):
+    """The README's leak demo: the audit's verdict is the first line of the leak report (the loss gap
+    of a short run is ~0 whether or not the attention leaks), and its files go to out_train_leaky,
+    never over a normal run's out_train; an explicit --out_dir is kept."""
+    monkeypatch.chdir(tmp_path)
+    tlm.main(TINY + ["--max_steps", "2", "--eval_interval", "2", "--unsafe_leaky_attention", "--attn", "mxfp8",
+                     "--eval_leak", "--leak_docs", "2", "--leak_len", "48"])
+    assert (tmp_path / "out_train_leaky" / "ckpt.pt").is_file() and not (tmp_path / "out_train").exists()
+    report = [l for l in capsys.readouterr().out.splitlines() if l.startswith(("attention audit", "leak probe"))]
+    assert len(report) == 2 and report[0].startswith("attention audit") and "LEAKS" in report[0], report
+    assert "the audit does" in report[1], report
+    cfg = tlm.parse_config(["--unsafe_leaky_attention", "--out_dir", "mine"])
+    tlm.validate(cfg)
+    assert cfg.out_dir == "mine"
+
+
 def test_killed_run_keeps_its_log(tmp_path, cpu_training, monkeypatch):
     """log.csv is rewritten at every validation, so a run killed mid-way keeps its curve so far."""
     lr_at = tlm.lr_at
@@ -2715,12 +2741,17 @@ def test_torchrun_two_ranks_gloo(tmp_path):
     (["--resume", "--out_dir", "EMPTY_DIR"], "no checkpoint"),
     (["--max_steps", "many"], "invalid int value"),
     (["--data", "BIN_DIR"], "pass --vocab_size"),
+    (["--data", "BIN_DIR", "--vocab_size", "300", "--doc_sep_token", "0"],
+     "token id 5000 at position 2 is >= --vocab_size 300"),
+    (["--data", "BINARY_FILE"], "not a text file (it holds NUL bytes)"),
 ])
 def test_bad_input_exits_2(args, msg, tmp_path, capsys, cpu_training):
     (tmp_path / "empty").mkdir()
     (tmp_path / "bin").mkdir()
-    np.zeros(4, np.uint16).tofile(tmp_path / "bin" / "train.bin")
-    args = [{"EMPTY_DIR": str(tmp_path / "empty"), "BIN_DIR": str(tmp_path / "bin")}.get(a, a) for a in args]
+    np.array([1, 0, 5000, 7], np.uint16).tofile(tmp_path / "bin" / "train.bin")
+    (tmp_path / "model.pt").write_bytes(b"PK\x03\x04\x00\x00binary")
+    args = [{"EMPTY_DIR": str(tmp_path / "empty"), "BIN_DIR": str(tmp_path / "bin"),
+             "BINARY_FILE": str(tmp_path / "model.pt")}.get(a, a) for a in args]
     with pytest.raises(SystemExit) as e:
         tlm.main(TINY + ["--max_steps", "1", "--out_dir", str(tmp_path / "out")] + args)
     err = capsys.readouterr().err.strip()
@@ -2969,22 +3000,27 @@ def hf():
 
 
 def _hf_llama(hf, dtype=BF16, seed=0, loud=False):
-    """The tiny Llama with seed's weights. loud: token LOUD gets an outlier key channel, 25 sqrt(128)
-    = 283 vs ~0.8 for the largest key entry of any other token: its embedding is a direction
-    orthogonal to every other token's (vocab 100 < hidden 128), and layer 0's k_proj row 5 is 25x
-    that direction. Such a key sets its 32-token block's E8M0 scale 2^8 higher, which moves the
-    E4M3 rounding of every small key of the block: what the auditor's outlier does, as a token of
-    the model (RMSNorm makes a larger embedding alone no louder)."""
+    """The tiny Llama with seed's weights. loud: token LOUD gets an outlier key, built so that its
+    effect holds on every machine, not by the luck of matmul rounding. Its embedding is hidden
+    channel 0, which every other embedding has zeroed (so RMSNorm gives it sqrt(128) there and
+    exact zeros elsewhere); layer 0's k_proj row 5 reads only that channel, times 2^17: LOUD's key
+    entry is 2^17 sqrt(128) = 1.5e6 (>= 1.05e6 after RoPE), every other token's is exactly 0 before
+    RoPE (largest key entry of any other token: 0.85). A block holding LOUD's key gets an E8M0 scale
+    >= 2^12, under which every entry below 2^12 * 2^-10 = 4 (half E4M3's smallest subnormal) rounds
+    to zero: without the safeguard, the block's other keys vanish. Layer 0's q_proj is 8x larger, so
+    that the logits of the vanished keys are far from equal (their softmax far from uniform) and a
+    query that loses them changes by far more than rounding."""
     cfg = hf.LlamaConfig(vocab_size=100, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     torch.manual_seed(seed)
     model = hf.LlamaForCausalLM(cfg)
     if loud:
         with torch.no_grad():
-            emb = model.model.embed_tokens.weight
-            u = torch.linalg.svd(emb[:LOUD]).Vh[-1]  # orthogonal to the other 99 embeddings
-            emb[LOUD] = u
-            model.model.layers[0].self_attn.k_proj.weight[5] = 25 * u
+            emb, attn = model.model.embed_tokens.weight, model.model.layers[0].self_attn
+            emb[:, 0] = 0
+            emb[LOUD] = torch.nn.functional.one_hot(torch.tensor(0), cfg.hidden_size)
+            attn.k_proj.weight[5] = 2 ** 17 * emb[LOUD]
+            attn.q_proj.weight *= 8
     return model.to(DEVICE, dtype)
 
 
@@ -3118,14 +3154,35 @@ HF_SAFE = [("bf16", 1), ("mxfp8", 32), ("nvfp4", 32), ("mxfp4", 32)]
 
 
 def _hf_perturbed(hf, recipe, bt, safeguard=True):
-    """Logits of the packed row, and of the row with token 10 of document 1 (absolute 33, mid-way
-    in its document's first 32-token K/V block) replaced by LOUD."""
-    model = _hf_use(hf, _hf_llama(hf, loud=True), recipe, block_tokens=bt, safeguard=safeguard)
+    """Logits of the packed row and of the row with token 10 of document 1 (absolute 33, mid-way in
+    its document's first 32-token K/V block) replaced by LOUD, each with layer 0's attention output
+    (B, S, H, D) as the attention call returned it; and the position of LOUD."""
+    inner = flamia.flamia_hf_attention_fn(recipe, block_tokens=bt, safeguard=safeguard)
+    layer0 = []
+
+    def recorded(module, *args, **kw):
+        out = inner(module, *args, **kw)
+        if module.layer_idx == 0:
+            layer0.append(out[0].detach())
+        return out
+    from transformers.masking_utils import flash_attention_mask
+    name = f"flamia-recorded-{recipe}-{bt}-{safeguard}"
+    hf.AttentionInterface.register(name, recorded)
+    hf.AttentionMaskInterface.register(name, flash_attention_mask)
+    model = _hf_llama(hf, loud=True)
+    model.set_attn_implementation(name)
     ids, pos = _hf_row()
     t = HF_LENS[0] + 10
     loud = ids.clone()
     loud[0, t] = LOUD
-    return _hf_logits(model, ids, pos)[0], _hf_logits(model, loud, pos)[0], t
+    base, perturbed = _hf_logits(model, ids, pos)[0], _hf_logits(model, loud, pos)[0]
+    return (base, layer0[0][0]), (perturbed, layer0[1][0]), t
+
+
+def _row_change(a, b):
+    """Relative L2 change of each row (token) of a (S, ...) tensor."""
+    a, b = a.flatten(1).float(), b.flatten(1).float()
+    return (a - b).norm(dim=1) / a.norm(dim=1)
 
 
 @pytest.mark.parametrize("recipe,bt", HF_SAFE, ids=[f"{r}-bt{b}" for r, b in HF_SAFE])
@@ -3133,8 +3190,9 @@ def test_hf_llama_is_causally_safe(hf, recipe, bt):
     """audit_causality on the real model: changing one input token of document 1 leaves every logit
     of documents 0 and 2 and every earlier logit of document 1 BIT-IDENTICAL, through both layers,
     for every recipe (K/V blocks of 32 tokens: the changed token's block straddles 10 earlier
-    queries). The change reaches the token's own logits: the probe is live."""
-    base, loud, t = _hf_perturbed(hf, recipe, bt)
+    queries, whose keys the same perturbation makes vanish without the safeguard: next test). The
+    change reaches the token's own logits: the probe is live."""
+    (base, _), (loud, _), t = _hf_perturbed(hf, recipe, bt)
     changed = (base != loud).any(dim=-1)
     doc1 = slice(HF_LENS[0], HF_LENS[0] + HF_LENS[1])
     assert changed[t], "the perturbed token's own logits did not change"
@@ -3144,15 +3202,22 @@ def test_hf_llama_is_causally_safe(hf, recipe, bt):
 
 
 def test_hf_llama_unsafe_setting_leaks(hf):
-    """The same probe has teeth: with safeguard=False and 32-token K/V blocks, the LOUD token moves
-    its block's K scale and with it the E4M3 rounding of the block's small keys, which the 10
-    earlier queries of its block see: their logits change (measured: 5 of the 10 rows), the future
-    leaks; other documents stay bit-identical (blocks are document-local). A merely 2-4x larger key
-    would not do: a power-of-two scale change moves only the keys that become E4M3 subnormals."""
-    base, loud, t = _hf_perturbed(hf, "mxfp8", 32, safeguard=False)
-    changed = (base != loud).any(dim=-1)
+    """The same probe has teeth, by construction (_hf_llama): with safeguard=False and 32-token K/V
+    blocks, LOUD's key flushes to zero the keys of the 10 earlier queries of its block. Each of them
+    but the first (which sees one key: its softmax is 1 whatever the logit) then attends uniformly
+    instead of by its logits: layer 0's attention output changes by rel L2 0.16-0.53 per row and
+    the model's logits by 0.087-0.14 (measured), far above bf16 rounding (2^-9 = 2e-3): bound 2e-2
+    on every such row, at the attention call and through the model. Other documents stay
+    bit-identical (blocks are document-local even without the safeguard)."""
+    (base, base0), (loud, loud0), t = _hf_perturbed(hf, "mxfp8", 32, safeguard=False)
     start = HF_LENS[0]
-    assert changed[start:t].any(), "safeguard=False did not leak: the probe cannot see a leak"
+    for where, a, b in (("layer 0's attention output", base0, loud0), ("logits", base, loud)):
+        change = _row_change(a, b)
+        assert change[start] == 0, f"{where}: document 1's first row changed"
+        low = change[start + 1:t].min()
+        assert low > 2e-2, (f"{where}: safeguard=False changed an earlier row of document 1 by only "
+                            f"{low:.2e} (rows {change[start:t].tolist()}): the probe leaks by luck")
+    changed = (base != loud).any(dim=-1)
     assert not changed[:start].any() and not changed[start + HF_LENS[1]:].any()
 
 
@@ -3229,6 +3294,28 @@ def test_hf_non_causal_module_attends_within_documents():
     flat = [x[0].transpose(0, 1) for x in (q, k, v)]  # (T, heads, D)
     ref = flamia.attention_fp64(*flat, cu_of(HF_LENS), causal=False)
     assert_rel(out[0], ref, tol("o", "bf16"), "non-causal vs fp64 per document")
+
+
+def test_hf_head_dim_refused_with_the_config_field():
+    """A model whose head_dim FLAMIA has no kernels for (a tiny config's 16) is refused with a
+    message naming the config field to set, before any kernel runs."""
+    q, k, v = (x[..., :16] for x in _hf_qkv())
+    with pytest.raises(ValueError, match=r"head_dim 16: .* set the model config's head_dim"):
+        flamia.flamia_hf_attention_fn("mxfp8", block_tokens=32)(_HFModule(), q, k, v, None)
+
+
+def test_gpu_without_fp8_tensor_cores_is_refused_by_name():
+    """The GPU check before any kernel (a compiler error otherwise): FP8 recipes (FP4 ones too: Q and
+    V are MXFP8) need compute capability >= 8.9, bf16 >= 8.0; the message names the recipe, the
+    capability and what runs instead."""
+    for recipe in flamia.RECIPES:
+        for cap in ((8, 9), (9, 0), (10, 0), (12, 0)):
+            assert flamia._gpu_refusal(recipe, cap) is None, (recipe, cap)
+    for recipe in ("mxfp8", "nvfp4", "mxfp4"):
+        why = flamia._gpu_refusal(recipe, (8, 0))
+        assert why and f"recipe={recipe!r}" in why and ">= 8.9" in why and "8.0" in why and "'bf16' runs" in why
+    assert flamia._gpu_refusal("bf16", (8, 0)) is None
+    assert ">= 8.0" in flamia._gpu_refusal("bf16", (7, 5)) and "runs here" not in flamia._gpu_refusal("mxfp8", (7, 5))
 
 
 def test_hf_autocast_attends_in_the_autocast_dtype():

@@ -73,7 +73,7 @@ class Config:
     tie_embeddings: bool = True  # share the input embedding and the output head (why: class Llama)
     rope_theta: float = 10000.0  # RoPE base
     attn: str = "mxfp8"  # a FLAMIA recipe, or sdpa: plain PyTorch SDPA per document (the reference)
-    unsafe_leaky_attention: bool = False  # mxfp8 WITHOUT the causal safeguard: leaks the future (demo)
+    unsafe_leaky_attention: bool = False  # mxfp8 WITHOUT the causal safeguard: leaks the future (demo; in out_train_leaky)
     rotate_qk: bool = False  # Hadamard-rotate Q and K before quantizing (flamia rotate_qk; same logits)
     round_only: str = ""  # diagnostic, with --attn bf16: round just these of q,k,v to MXFP8 (per token), P in bf16
     attn_probe_interval: int = 0  # diagnostic: every N steps, each layer's attention error vs bf16 (attn_probe.csv)
@@ -201,6 +201,8 @@ def validate(cfg: Config):
     if min(cfg.max_steps, cfg.eval_interval, cfg.eval_batches, cfg.log_interval, cfg.ckpt_interval, cfg.val_every) < 1:
         die("max_steps, eval_interval, eval_batches, log_interval, ckpt_interval and val_every must be >= 1")
     cfg.max_doc_len = min(cfg.max_doc_len, cfg.tokens_per_batch)  # a document must fit in a batch
+    if cfg.unsafe_leaky_attention and cfg.out_dir == Config.out_dir:  # never overwrite a normal run's files
+        cfg.out_dir = Config.out_dir + "_leaky"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,13 +232,28 @@ def _bytes_corpus(blobs):
     return Corpus(np.frombuffer(b"".join(blobs), np.uint8), ends - [len(b) for b in blobs], ends)
 
 
-def _bin_corpus(path, sep):
+def _bin_corpus(path, sep, vocab_size):
     tok = np.memmap(path, dtype=np.uint16, mode="r")
     step = 1 << 26  # scan in chunks: `tok == sep` over 10B tokens at once would need 10 GB
-    ends = np.concatenate([np.flatnonzero(tok[i:i + step] == sep) + i + 1 for i in range(0, len(tok), step)]
-                          + [np.array([len(tok)], np.int64)])
+    ends = []
+    for i in range(0, len(tok), step):
+        chunk = tok[i:i + step]
+        if (top := int(chunk.max())) >= vocab_size:  # the embedding would fail with an IndexError
+            die(f"--data {path}: token id {top} at position {i + int(np.argmax(chunk >= vocab_size))} is >= "
+                f"--vocab_size {vocab_size} (a .bin holds raw uint16 token ids: pass the tokenizer's vocab size)")
+        ends.append(np.flatnonzero(chunk == sep) + i + 1)
+    ends = np.concatenate(ends + [np.array([len(tok)], np.int64)])
     ends = np.unique(ends[ends > 0])  # the tail after the last separator is a document too
     return Corpus(tok, np.r_[0, ends[:-1]], ends)
+
+
+def _text_file(path):
+    """The bytes of a text file; a binary one (NUL bytes, which text never holds) is refused."""
+    data = open(path, "rb").read()
+    if b"\0" in data:
+        die(f"--data {path}: not a text file (it holds NUL bytes); for token ids give a .bin file "
+            "(raw uint16, as nanoGPT's prepare.py writes) or a directory holding train.bin")
+    return data
 
 
 def load_documents(cfg: Config):
@@ -249,9 +266,9 @@ def load_documents(cfg: Config):
         if cfg.vocab_size <= cfg.doc_sep_token:
             die(f"--data {path} holds token ids: pass --vocab_size (> --doc_sep_token {cfg.doc_sep_token}), "
                 "e.g. 50304 for GPT-2 tokens")
-        train, vocab = _bin_corpus(binfile, cfg.doc_sep_token), cfg.vocab_size
+        train, vocab = _bin_corpus(binfile, cfg.doc_sep_token, cfg.vocab_size), cfg.vocab_size
         if os.path.isfile(vfile := os.path.join(os.path.dirname(binfile), "val.bin")):
-            val = _bin_corpus(vfile, cfg.doc_sep_token)
+            val = _bin_corpus(vfile, cfg.doc_sep_token, cfg.vocab_size)
     elif os.path.isdir(path):
         files, skip = [], () if cfg.data else ("site-packages", "dist-packages")  # the stdlib only
         for root, dirs, names in os.walk(path):
@@ -259,7 +276,7 @@ def load_documents(cfg: Config):
             files += [os.path.join(root, n) for n in sorted(names) if n.endswith(TEXT_EXTS if cfg.data else ".py")]
         train = _bytes_corpus([open(f, "rb").read() for f in files])
     else:
-        train = _bytes_corpus(re.split(rb"\n(?:[ \t]*\n){2,}", open(path, "rb").read()))
+        train = _bytes_corpus(re.split(rb"\n(?:[ \t]*\n){2,}", _text_file(path)))
     if len(train) == 0:
         die(f"--data {path}: no documents found (empty, or no {'/'.join(TEXT_EXTS)} files)")
     if val is None:  # hold out whole documents BEFORE cutting, so no file is in both splits
@@ -724,15 +741,19 @@ def train(cfg: Config) -> dict:
         log(f"done: step {step}, val loss {val:.4f}; wrote {ckpt_path}, {csv_path}, "
             f"{os.path.join(cfg.out_dir, 'loss.png')}")
     if cfg.eval_leak and master:  # rank 0 alone, on the unwrapped model: a small, fixed job
-        tf, ar, diff = hist["leak"] = leak_probe(raw, cfg, val_set, device, ctx)
-        log(f"leak probe ({cfg.attn}{', UNSAFE no safeguard' if cfg.unsafe_leaky_attention else ''}): teacher-forced "
-            f"val loss {tf:.6f}, autoregressive {ar:.6f}, gap {ar - tf:+.2e} (~0: causal; > 0: the future leaked); "
-            f"max |logit difference| {diff:.2e}")
-        if cfg.attn != "sdpa":
+        unsafe = ", UNSAFE: no safeguard" if cfg.unsafe_leaky_attention else ""
+        if cfg.attn != "sdpa":  # the verdict first: does this run's attention call leak?
             found = hist["audit"] = attention_audit(cfg, device)
-            log(f"attention audit ({cfg.attn}, outliers planted in q, k, v): {len(found)} leaking probes "
-                f"({sum(f['kind'] == 'future' for f in found)} into the future, "
-                f"{sum(f['kind'] == 'document' for f in found)} across documents); 0: causal")
+            log(f"attention audit ({cfg.attn}{unsafe}; outliers planted in q, k, v): "
+                + (f"LEAKS: {len(found)} probes changed earlier rows bitwise "
+                   f"({sum(f['kind'] == 'future' for f in found)} into the future, "
+                   f"{sum(f['kind'] == 'document' for f in found)} across documents)" if found else
+                   "causal: no probe changed an earlier row or another document"))
+        tf, ar, diff = hist["leak"] = leak_probe(raw, cfg, val_set, device, ctx)
+        log(f"leak probe ({cfg.attn}{unsafe}; has the model LEARNT to use a leak?): teacher-forced val loss "
+            f"{tf:.6f}, autoregressive {ar:.6f}, gap {ar - tf:+.2e}, max |logit difference| {diff:.2e}. A model "
+            "that reads the future scores better teacher-forced (gap > 0); a short or CPU run has not learnt "
+            "to, so ~0 (below ~1e-5: summation order) says nothing about the attention: the audit does")
     if world > 1:  # every rank finishes (rank 0's probe and files too) before any tears the group down:
         dist.barrier()  # a gloo rank leaving early can abort its peer
     return hist
