@@ -1052,6 +1052,9 @@ TOL = _CPU_TOL if DEVICE == "cpu" else _CUDA_TOL
 def tol(kind, recipe=None, D=64):
     t = TOL[kind]
     t = t[recipe] if recipe is not None else t
+    if isinstance(t, dict) and D not in t:  # a head dim added to flamia.HEAD_DIMS: measure it first
+        pytest.fail(f"no {kind} tolerance for head_dim {D} (measured: {sorted(t)}): measure it and add it to "
+                    f"_per_d in test_flamia.py")
     return t[D] if isinstance(t, dict) else t
 
 
@@ -1517,6 +1520,15 @@ def test_configuration_grid(backend, recipe, bt, D, causal, safeguard):
     f64 = flamia.attention_fp64(q.detach(), k.detach(), v.detach(), cu, causal=causal)
     _check_forward(o.detach(), lse, ro.detach(), rlse.detach(), f64, recipe, what, backend)
     _check_grads((q, k, v), q, k, v, do, o, cu, cu, what, **kw)
+
+
+def test_a_head_dim_without_measured_tolerances_fails_by_name():
+    """The grid iterates flamia.HEAD_DIMS; a head dim added there before its tolerances are measured
+    fails each case with a message saying what to add, not with a KeyError."""
+    assert all(tol(kind, recipe, D) > 0 for kind in ("o", "grad") for recipe in flamia.RECIPES
+               for D in flamia.HEAD_DIMS)
+    with pytest.raises(pytest.fail.Exception, match=r"no o tolerance for head_dim 256 .* add it to _per_d"):
+        tol("o", "mxfp8", 256)
 
 
 def _outlier_channels(q, k):
