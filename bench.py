@@ -10,6 +10,7 @@ on this machine, the quantizer's bandwidth, and accuracy per recipe.
     python bench.py --tune       # kernel tile-configuration sweep
     python bench.py --block-tokens  # mxfp8 fwd / bwd speed per block_tokens on the --quick workloads
     python bench.py --sm100      # no GPU needed: what each kernel compiles to for Blackwell (sm_100a)
+    PYTHONPATH=DIR python bench.py --sm90   # no GPU, triton 3.6 in DIR: the Gluon kernels for sm_90a
 
 FLOP convention (Triton's fused-attention tutorial): fwd = 4 * H * D * sum_docs L(L+1)/2 for causal
 documents, bwd = 2.5 x fwd, fwd+bwd = 3.5 x fwd. Times are medians of triton.testing.do_bench on
@@ -26,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 
 import torch
@@ -760,6 +762,111 @@ def bench_sm100(args):
     return rows
 
 
+# ---- --sm90: the Gluon kernels (flamia_hopper.py) compiled offline for Hopper, no GPU needed ----
+# flamia_hopper.py is written for triton 3.6 (Gluon's API moves between versions), so this mode runs
+# with triton 3.6 importable: `pip install --no-deps --target DIR triton==3.6.0` and PYTHONPATH=DIR
+# (torch from the main environment). The tests run it so, one configuration per process: a broken
+# Gluon kernel can abort the compiler's process (an MLIR verifier error), not only raise.
+SM90_CONFIGS = [f"{recipe}-bt{bt}-D{D}" for D in (128, 64) for recipe, bt in (("mxfp8", 1), ("mxfp8", 128), ("bf16", 1))]
+
+
+def sm90_launches(config, T=512, H=4, HK=2):
+    """[(kernel, args, kwargs)] of the Gluon launches flamia makes for a causal T-token document, GQA
+    H/HK: flamia's own launch code on CPU tensors, kernel launches recorded instead of run, only the
+    GPU checks bypassed (the Gluon TensorDescriptor takes CPU tensors)."""
+    from triton.experimental.gluon._runtime import GluonJITFunction
+    from triton.runtime.jit import JITFunction
+    recipe, bt, D = config.split("-")
+    bt, D = int(bt[2:]), int(D[1:])
+    calls = []
+    saved = JITFunction.run, flamia.gluon_unavailable_reason, flamia.flamia_hopper._sm_count
+    JITFunction.run = lambda self, *args, grid, warmup, **kwargs: calls.append((self, args, kwargs))
+    flamia.gluon_unavailable_reason = lambda: None  # as on an sm_90 GPU with triton 3.6
+    flamia.flamia_hopper._sm_count = lambda device: 132  # H100 SXM, H200: the persistent grid's size only
+    try:
+        q, do = (torch.randn(T, H, D, dtype=torch.bfloat16) for _ in range(2))
+        k, v = (torch.randn(T, HK, D, dtype=torch.bfloat16) for _ in range(2))
+        plan = flamia.Plan(torch.tensor([0, T], dtype=torch.int32))
+        var = flamia.variant(q, recipe, bt, plan, True, True, "gluon")
+        if var.refusal or var.backend != "gluon" or var.bwd != "gluon":
+            raise RuntimeError(f"{config}: variant() did not pick the Gluon kernels: {var.refusal or var}")
+        ops = flamia._quantize_operands(q, k, v, plan, var.recipe, bt, var.copies)
+        kw = dict(causal=True, softmax_scale=D ** -0.5, block_tokens=bt)
+        o, lse = flamia._attn_forward(q, k, v, ops, plan, var, **kw)
+        flamia._attn_backward(do, q, k, v, o, lse, ops, plan, var, **kw)
+    finally:
+        JITFunction.run, flamia.gluon_unavailable_reason, flamia.flamia_hopper._sm_count = saved
+    return [c for c in calls if isinstance(c[0], GluonJITFunction)]
+
+
+def sm90_compile(fn, args, kwargs):
+    """The launcher's own path (binder -> _pack_args -> GluonASTSource -> compile), for sm_90a."""
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import create_function_from_signature
+    kwargs = dict(kwargs, debug=kwargs.get("debug", fn.debug) or knobs.runtime.debug,
+                  instrumentation_mode=knobs.compilation.instrumentation_mode)
+    target = GPUTarget("cuda", 90, 32)  # (backend, compute capability, warp size)
+    backend = make_backend(target)
+    bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def sm90_facts(ck):
+    """wgmma kinds (PTX), spills (ptxas -v with triton 3.6's make_cubin flags), shared memory (which
+    compiling does not check: the driver refuses at load), TMA, warp specialization, ptxas warnings."""
+    import re
+    import subprocess
+    import tempfile
+    ptx, ttgir = ck.asm["ptx"], ck.asm.get("ttgir", "")
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        fmad = [] if ck.metadata.enable_fp_fusion else ["--fmad=false"]
+        log = subprocess.run([ptxas, "-lineinfo", *fmad, "-v", "--gpu-name=sm_90a", path, "-o", path + ".o"],
+                             capture_output=True, text=True).stderr
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    mma = re.findall(r"wgmma\.mma_async[\w.:]*", ptx)
+    return dict(wgmma_kinds=sorted({k for m in mma for k in m.split(".")[-2:]}), n_wgmma=len(mma),
+                spill_bytes=sum(int(a) + int(b) for a, b in spills) if spills else None,
+                shared=ck.metadata.shared, tma="cp.async.bulk.tensor" in ptx,
+                warp_specialized="ttg.warp_specialize" in ttgir,
+                ptxas_warnings=[line.strip() for line in log.splitlines() if "warning" in line.lower()])
+
+
+def bench_sm90(args):
+    """Compile every Gluon kernel configuration for sm_90a and tabulate what it executes."""
+    if not triton.__version__.startswith("3.6"):
+        raise SystemExit(f"--sm90 needs triton 3.6 (flamia_hopper.py's Gluon API), found {triton.__version__}: "
+                         "pip install --no-deps --target DIR triton==3.6.0, then PYTHONPATH=DIR")
+    if flamia.flamia_hopper is None:
+        raise SystemExit(flamia._GLUON_IMPORT_ERROR)
+    rows = []
+    for config in SM90_CONFIGS:
+        if not selected(config, args.workloads):
+            continue
+        for fn, a, kw in sm90_launches(config):
+            row = dict(config=config, kernel=fn.__name__)
+            print(f"compiling {config} {fn.__name__}", file=sys.stderr, flush=True)  # names a crash's kernel
+            t0 = time.time()
+            try:
+                row.update(sm90_facts(sm90_compile(fn, a, kw)))
+            except Exception as e:  # the compiler's refusal is a fact too
+                row["error"] = f"{type(e).__name__}: {str(e)[-1500:]}"
+            row["compile_s"] = round(time.time() - t0, 1)
+            rows.append(row)
+            print(f"{config:18s} {fn.__name__:17s} " + (row["error"][:120] if "error" in row else
+                  f"wgmma {','.join(row['wgmma_kinds'])} x{row['n_wgmma']}, {row['spill_bytes']} B spilled, "
+                  f"{row['shared']} B shared, TMA {row['tma']}, warp-specialized {row['warp_specialized']}"
+                  + (f", ptxas: {row['ptxas_warnings']}" if row["ptxas_warnings"] else "")), flush=True)
+    return rows
+
+
 def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -808,6 +915,8 @@ def main():
     ap.add_argument("--naive-plan", action="store_true", help="also run FLAMIA with tiles in document order")
     ap.add_argument("--sm100", action="store_true", help="no GPU needed: compile every kernel for Blackwell "
                     "(sm_100a) and print its MMA kinds, spills, TMA, partitions (--workloads filters configs)")
+    ap.add_argument("--sm90", action="store_true", help="no GPU needed, triton 3.6: compile the Gluon kernels "
+                    "(flamia_hopper.py) for sm_90a and print their wgmma kinds, spills, shared memory")
     ap.add_argument("--workloads", default="", help="comma-separated name prefixes of the attention workloads "
                     "to run, e.g. 1doc,gqa; a trailing $ matches the whole name, e.g. 2kdocs-16k$ (default: all; "
                     "names as printed in the table)")
@@ -817,18 +926,20 @@ def main():
                     "(the median is reported; with an even count, the slower middle value)")
     ap.add_argument("--out", default="out", help="directory for JSON and PNG")
     args = ap.parse_args()
-    modes = ("quant", "accuracy", "tune", "audit", "block_tokens", "sm100")
+    modes = ("quant", "accuracy", "tune", "audit", "block_tokens", "sm100", "sm90")
     mode = next((m for m in modes if getattr(args, m)), "attention")
-    if mode != "sm100" and not torch.cuda.is_available():
-        raise SystemExit("bench.py needs a CUDA GPU (only --sm100 runs without one)")
+    offline = mode in ("sm100", "sm90")
+    if not offline and not torch.cuda.is_available():
+        raise SystemExit("bench.py needs a CUDA GPU (only --sm100 and --sm90 run without one)")
     os.makedirs(args.out, exist_ok=True)
-    meta = dict(gpu=torch.cuda.get_device_name() if mode != "sm100" else "none (compiled for sm_100a)",
+    meta = dict(gpu=f"none (compiled for sm_{mode[2:]}a)" if offline else torch.cuda.get_device_name(),
                 torch=torch.__version__, triton=triton.__version__, date=time.strftime("%Y-%m-%d"),
                 **peer_versions())
     print(json.dumps(meta))
     args.meta, args.json_path = meta, os.path.join(args.out, f"bench_{mode}.json")
     rows = {"quant": bench_quant, "accuracy": bench_accuracy, "tune": bench_tune, "audit": bench_audit,
-            "block_tokens": bench_block_tokens, "sm100": bench_sm100, "attention": bench_attention}[mode](args)
+            "block_tokens": bench_block_tokens, "sm100": bench_sm100, "sm90": bench_sm90,
+            "attention": bench_attention}[mode](args)
     save_json(args, rows)
     if mode == "attention":
         plot(rows, os.path.join(args.out, "bench_attention.png"))

@@ -14,6 +14,7 @@ import contextlib
 import csv
 import functools
 import itertools
+import json
 import re
 import math
 import types
@@ -2823,6 +2824,52 @@ def test_old_interpreter_refused_with_the_version_needed():
     need = ".".join(map(str, flamia.INTERPRETER_MIN_TRITON))
     assert out.returncode != 0 and f"need triton >= {need}, found 3.6.0" in out.stderr, out.stderr[-2000:]
     assert "unset TRITON_INTERPRET" in out.stderr
+
+# ---------------------------------------------------------------------------------------------
+# 13b. The Gluon kernels (flamia_hopper.py) compiled offline for sm_90a: a broken edit fails on a CPU
+# ---------------------------------------------------------------------------------------------
+# Gluon has no interpreter, so CI compiles what it cannot run: `bench.py --sm90` under triton 3.6 (the
+# GPU machine's; Gluon's API moves between versions) from a side install (.ci/run makes it), one
+# configuration per process (a broken kernel can abort the compiler). What is asserted: it compiles,
+# the MMAs are wgmma of the intended kinds, TMA and warp specialization are there, shared memory fits
+# the 227 KB a Hopper block may have (the compiler does not check; the driver refuses at load), spills
+# stay at or below those measured with triton 3.6.0's ptxas 12.8.93 (lower them here when an edit does),
+# and ptxas does not serialize the wgmmas. Not caught: races (a wrong mbarrier or MMA wait).
+TRITON36 = os.environ.get("FLAMIA_TRITON36", os.path.join(HERE, ".ci", "triton-3.6"))
+SM90_SPILL_BYTES = {("mxfp8-bt1-D128", "fwd"): 264, ("mxfp8-bt1-D128", "bwd"): 440,
+                    ("mxfp8-bt128-D128", "fwd"): 96, ("mxfp8-bt128-D128", "bwd"): 672,
+                    ("bf16-bt1-D128", "fwd"): 0, ("bf16-bt1-D128", "bwd"): 248,
+                    ("mxfp8-bt1-D64", "fwd"): 0, ("mxfp8-bt1-D64", "bwd"): 888,
+                    ("mxfp8-bt128-D64", "fwd"): 56, ("mxfp8-bt128-D64", "bwd"): 132,
+                    ("bf16-bt1-D64", "fwd"): 0, ("bf16-bt1-D64", "bwd"): 196}
+SM90_MAX_SHARED = 232448  # bytes of shared memory a block may opt into on H100 / H200
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(TRITON36, "triton")),
+                    reason=f"no triton 3.6 side install at {TRITON36} (FLAMIA_TRITON36): "
+                           f"python3 -m pip install --no-deps --target {TRITON36} triton==3.6.0")
+@pytest.mark.parametrize("config", sorted({c for c, _ in SM90_SPILL_BYTES}))
+def test_gluon_kernels_compile_for_sm90(config, tmp_path):
+    env = dict(_env(cpu=True), PYTHONPATH=os.pathsep.join([TRITON36, HERE]), TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--sm90", "--out", str(tmp_path),
+                        "--workloads", config + "$"], env=env, capture_output=True, text=True, timeout=600)
+    dying = [line for line in r.stderr.splitlines() if line.startswith("compiling ")][-1:]
+    assert r.returncode == 0, f"bench.py --sm90 died ({r.returncode}) {dying}:\n{r.stderr[-3000:]}"
+    rows = json.load(open(tmp_path / "bench_sm90.json"))["rows"]
+    kinds = {"_attn_fwd_hopper": "fwd", "_attn_bwd_hopper": "bwd"}
+    assert sorted(kinds[x["kernel"]] for x in rows) == ["bwd", "fwd"], rows
+    for f in rows:
+        kind = kinds[f["kernel"]]
+        what = f"{config} {f['kernel']}: {f}"
+        assert "error" not in f, f"{config} {f['kernel']} does not compile for sm_90a: {f['error'][-1500:]}"
+        # the forward multiplies E4M3 Q K^T and P V for mxfp8; the backward's MMAs are bf16 for now
+        want = ["e4m3"] if kind == "fwd" and config.startswith("mxfp8") else ["bf16"]
+        assert f["wgmma_kinds"] == want and f["n_wgmma"] > 0, what
+        assert f["tma"] and f["warp_specialized"], what
+        assert f["shared"] <= SM90_MAX_SHARED, what
+        assert f["spill_bytes"] <= SM90_SPILL_BYTES[config, kind], what
+        assert not [w for w in f["ptxas_warnings"] if "wgmma" in w.lower()], what  # C7514/5: serialized
+
 
 # ---------------------------------------------------------------------------------------------
 # 14. Blackwell (sm_100a), compiled offline: what a B200 would execute
