@@ -2514,100 +2514,35 @@ def test_flamia_attention_matches_sdpa_reference():
                                                   f"(<= {t_max:.2e}); " + diff_report(a, r, f"{attn} {name} vs sdpa"))
 
 
-def test_round_only_diagnostic_isolates_operand_rounding():
-    """--round_only (the loss-gap ablation): with "qkv" the bf16 kernels see exactly the operands mxfp8
-    quantizes (per token), so they compute the mxfp8 oracle up to P's bf16 rounding (bf16's O tolerance)
-    and differ from plain bf16 by the quantization error; gradients pass straight through; an operand
-    not named is left alone; misuse is refused."""
+def test_attn_bf16_letters_isolates_operand_rounding():
+    """--attn bf16:LETTERS (the loss-gap ablation, also an --eval_attn item): with "qkv" the bf16 kernels
+    see exactly the operands mxfp8 quantizes (per token), so they compute the mxfp8 oracle up to P's bf16
+    rounding (bf16's O tolerance) and differ from plain bf16 by the quantization error; gradients pass
+    straight through; an operand not named is left alone; misuse is refused."""
     lens = (40, 1, 70)
     cu = cu_of(lens)
     q, k, v = qkv(81, sum(lens), H=2, HK=1)
     b = tlm.Batch(torch.zeros(sum(lens), dtype=torch.long), None, cu, list(lens), sum(lens))
-    cfg = tlm.parse_config(TINY + ["--attn", "bf16", "--round_only", "qkv"])
+    cfg = tlm.parse_config(TINY + ["--attn", "bf16:qkv"])
+    tlm.validate(cfg)
     x = [t.clone().requires_grad_() for t in (q, k, v)]
     out = tlm.attend(*x, b, cfg)
     out.float().sum().backward()
     out = out.detach()
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in x)
     ref = flamia.reference_attention(q, k, v, cu, recipe="mxfp8")
-    assert_rel(out, ref, tol("o", "bf16"), "round_only=qkv vs the mxfp8 oracle")
+    assert_rel(out, ref, tol("o", "bf16"), "bf16:qkv vs the mxfp8 oracle")
     plain = flamia.reference_attention(q, k, v, cu, recipe="bf16")
-    assert rel_l2(out, plain) > 10 * tol("o", "bf16"), "round_only=qkv did not round"
-    cfg.round_only = "v"
+    assert rel_l2(out, plain) > 10 * tol("o", "bf16"), "bf16:qkv did not round"
+    cfg.attn = "bf16:v"
     assert_bitwise(tlm.round_mxfp8(q, cu), flamia.quantize_mxfp8_reference(q, cu, 1).dequantize(cu).to(BF16), "q")
     only_v = tlm.attend(q, k, v, b, cfg)
     ref_v = flamia.reference_attention(q, k, flamia.quantize_mxfp8_reference(v, cu, 1).dequantize(cu).to(BF16),
                                        cu, recipe="bf16")
-    assert_rel(only_v, ref_v, tol("o", "bf16"), "round_only=v vs bf16 attention on rounded V")
-    for bad in (["--round_only", "qkx", "--attn", "bf16"], ["--round_only", "q", "--attn", "mxfp8"],
-                ["--round_only", "q", "--attn", "bf16", "--block_tokens", "32"]):
+    assert_rel(only_v, ref_v, tol("o", "bf16"), "bf16:v vs bf16 attention on rounded V")
+    for bad in (["--attn", "bf16:qkx"], ["--attn", "mxfp8:q"], ["--attn", "bf16:q", "--block_tokens", "32"]):
         with pytest.raises(SystemExit):
             tlm.validate(tlm.parse_config(TINY + bad))
-
-
-def test_grad_attn_trains_on_one_attentions_values_and_anothers_gradient():
-    """--grad_attn (the loss-gap ablation of P's rounding: mxfp8's forward values with the consistent
-    gradient of bf16 on the rounded operands, or the reverse): attend's output is bitwise the --attn
-    attention's, its gradient the --grad_attn attention's (dq up to the GPU's unordered dQ adds), and
-    the two differ, so the split is real; without grad (validation) only --attn runs; misuse is refused."""
-    lens = (40, 1, 70)
-    cu = cu_of(lens)
-    q, k, v = qkv(82, sum(lens), H=2, HK=1)
-    do = randn(torch.Generator().manual_seed(5), sum(lens), 2, 64, dtype=BF16)
-    b = tlm.Batch(torch.zeros(sum(lens), dtype=torch.long), None, cu, list(lens), sum(lens))
-
-    def run(cfg, grad=True):
-        x = [t.clone().requires_grad_(grad) for t in (q, k, v)]
-        out = tlm.attend(*x, b, cfg)
-        if grad:
-            out.backward(do)
-        return [out.detach()] + [t.grad for t in x]
-
-    for attn, grad_attn in (("mxfp8", "bf16:qkv"), ("bf16:qkv", "mxfp8")):
-        value_cfg = tlm.replace(tlm.parse_config(TINY), attn=attn.partition(":")[0], round_only=attn.partition(":")[2])
-        grad_cfg = tlm.replace(value_cfg, attn=grad_attn.partition(":")[0], round_only=grad_attn.partition(":")[2])
-        split = tlm.replace(value_cfg, grad_attn=grad_attn)
-        tlm.validate(split)
-        got, value, grad = run(split), run(value_cfg), run(grad_cfg)
-        assert_bitwise(got[0], value[0], f"{attn} / {grad_attn}: out")
-        assert_bitwise(run(split, grad=False)[0], value[0], f"{attn} / {grad_attn}: out without grad")
-        # The two attentions differ (interpreter: out 1.4e-2, dq 8.1e-3, dk 7.9e-3; dv 1.3e-4, both
-        # backwards recompute the same unrounded P) by more than what is compared below can differ by.
-        assert rel_l2(value[0], grad[0]) > 7e-3, "out: the two attentions should differ (P's E4M3 rounding)"
-        for name, a, g, other in zip(("dq", "dk", "dv"), got[1:], grad[1:], value[1:]):
-            assert rel_l2(a, g) <= 1e-3, (attn, grad_attn, name, rel_l2(a, g))
-            if name != "dv":
-                assert rel_l2(other, g) > 4e-3, (attn, grad_attn, name, rel_l2(other, g))
-    for bad in (["--grad_attn", "mxfp9"], ["--grad_attn", "bf16:qx"], ["--grad_attn", "mxfp8:q"],
-                ["--grad_attn", "bf16", "--attn_probe_interval", "2"]):
-        with pytest.raises(SystemExit):
-            tlm.validate(tlm.parse_config(TINY + bad))
-
-
-def test_attn_probe_logs_each_layers_error(tmp_path, cpu_training):
-    """--attn_probe_interval: every N steps, one row per layer with the relative error of O, dq, dk, dv
-    against the bf16 kernels on the same inputs and the step's own dO. For --attn bf16 the probe compares
-    the bf16 function with itself: exactly 0 (the probe has no error of its own); for mxfp8 it is the
-    quantization error, nonzero in every layer and quantity (O ~3e-2; dV, which depends on P and dO
-    only, ~1e-3), split by rounding: bf16 attention on MXFP8-rounded Q and K changes everything, on
-    rounded V alone everything but dV (P and dO are bf16's: dV exactly 0)."""
-    args = TINY + ["--n_layers", "2", "--max_steps", "4", "--eval_interval", "4", "--attn_probe_interval", "2"]
-    errs = {}
-    for attn, variants in (("bf16", ["bf16"]), ("mxfp8", ["mxfp8", "bf16:qk", "bf16:v", "bf16:qkv"])):
-        hist = tlm.main(args + ["--attn", attn, "--out_dir", str(tmp_path / attn)])
-        rows = list(csv.DictReader(open(tmp_path / attn / "attn_probe.csv")))
-        assert [(int(r["step"]), int(r["layer"]), r["variant"]) for r in rows] == [
-            (s, l, v) for s in (2, 4) for l in (0, 1) for v in variants], rows
-        assert rows == [{k: str(v) for k, v in r.items()} for r in hist["attn_probe"]]
-        for v in variants:
-            errs[v] = [[float(r[n]) for n in ("o", "dq", "dk", "dv")] for r in rows if r["variant"] == v]
-    assert all(e == 0 for row in errs["bf16"] for e in row), errs["bf16"]
-    for v in ("mxfp8", "bf16:qk", "bf16:qkv"):
-        assert all(0 < e < 0.2 for row in errs[v] for e in row), (v, errs[v])
-    assert all(row[0] > 1e-2 for row in errs["mxfp8"]), errs["mxfp8"]  # O: E4M3's quantization error
-    assert all(row[3] == 0 and min(row[:3]) > 0 for row in errs["bf16:v"]), errs["bf16:v"]
-    with pytest.raises(SystemExit):
-        tlm.validate(tlm.parse_config(TINY + ["--attn_probe_interval", "2", "--attn", "sdpa"]))
 
 
 def test_eval_attn_scores_the_same_weights_with_other_attentions(tmp_path, cpu_training):

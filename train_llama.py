@@ -72,13 +72,10 @@ class Config:
     ffn_dim: int = 1536  # SwiGLU hidden width (~8/3 d_model, rounded up)
     tie_embeddings: bool = True  # share the input embedding and the output head (why: class Llama)
     rope_theta: float = 10000.0  # RoPE base
-    attn: str = "mxfp8"  # a FLAMIA recipe, or sdpa: plain PyTorch SDPA per document (the reference)
+    attn: str = "mxfp8"  # a FLAMIA recipe; sdpa (plain SDPA per document: the reference); bf16:LETTERS (below)
     unsafe_leaky_attention: bool = False  # mxfp8 WITHOUT the causal safeguard: leaks the future (demo; in out_train_leaky)
     rotate_qk: bool = False  # Hadamard-rotate Q and K before quantizing (flamia rotate_qk; same logits)
-    round_only: str = ""  # diagnostic, with --attn bf16: round just these of q,k,v to MXFP8 (per token), P in bf16
-    attn_probe_interval: int = 0  # diagnostic: every N steps, each layer's attention error vs bf16 (attn_probe.csv)
     eval_attn: str = ""  # diagnostic: after training, val loss again with each of these attentions (bf16,mxfp8,bf16:qk)
-    grad_attn: str = ""  # diagnostic: train on --attn's output values but this attention's gradient (e.g. bf16:qkv)
     block_tokens: int = flamia.DEFAULT_BLOCK_TOKENS  # tokens per K/V scale block (128: faster on long documents)
     tokens_per_batch: int = 32768  # token budget per rank and step; global batch = this x world size
     max_doc_len: int = 2048  # context window: longer documents are cut into pieces this long
@@ -171,22 +168,16 @@ def parse_config(argv=None) -> Config:
 
 def validate(cfg: Config):
     attns = flamia.RECIPES + ("sdpa",)
-    if cfg.attn not in attns:
-        die(f"--attn {cfg.attn!r}: choose one of {', '.join(attns)}")
-    if cfg.round_only and (cfg.attn != "bf16" or cfg.block_tokens != 1 or set(cfg.round_only) - set("qkv")):
-        die(f"--round_only {cfg.round_only!r}: letters of 'qkv', with --attn bf16 and --block_tokens 1 (it "
-            "rounds those operands to per-token MXFP8 before FLAMIA's bf16 kernels)")
-    bad_item = lambda attn, letters: attn not in attns or (letters and (attn != "bf16" or set(letters) - set("qkv")))
-    for item in filter(None, cfg.eval_attn.split(",")):  # RECIPE, or bf16:LETTERS (as --round_only)
-        if bad_item(*item.partition(":")[::2]) or cfg.compile:
-            die(f"--eval_attn {item!r}: a recipe of {', '.join(attns)}, or bf16:LETTERS of 'qkv' (--round_only); "
-                "not with --compile")
-    if cfg.grad_attn and (bad_item(*cfg.grad_attn.partition(":")[::2]) or cfg.attn_probe_interval):
-        die(f"--grad_attn {cfg.grad_attn!r}: a recipe of {', '.join(attns)}, or bf16:LETTERS of 'qkv' "
-            "(--round_only); not with --attn_probe_interval")
-    if cfg.attn_probe_interval and (cfg.attn == "sdpa" or cfg.compile):
-        die("--attn_probe_interval measures a FLAMIA recipe against FLAMIA's bf16 kernels, eagerly: "
-            "not with --attn sdpa or --compile")
+    # An attention is a recipe, or bf16:LETTERS: FLAMIA's bf16 kernels on those of q, k, v rounded to
+    # per-token MXFP8 (P in bf16): which operand's rounding costs the loss (bf16:qkv is mxfp8 minus P's).
+    bad = lambda attn, letters: attn not in attns or (letters and (attn != "bf16" or set(letters) - set("qkv")
+                                                                  or cfg.block_tokens != 1))
+    spec = f"choose one of {', '.join(attns)}, or bf16:LETTERS of 'qkv' (with --block_tokens 1)"
+    if bad(*cfg.attn.partition(":")[::2]):
+        die(f"--attn {cfg.attn!r}: {spec}")
+    for item in filter(None, cfg.eval_attn.split(",")):
+        if bad(*item.partition(":")[::2]) or cfg.compile:
+            die(f"--eval_attn {item!r}: {spec}; not with --compile")
     if cfg.unsafe_leaky_attention and cfg.attn != "mxfp8":
         die("--unsafe_leaky_attention needs --attn mxfp8 (it switches mxfp8's causal safeguard off)")
     if cfg.block_tokens not in flamia.BLOCK_TOKENS:
@@ -385,68 +376,19 @@ def round_mxfp8(x, cu):
 
 def attend(q, k, v, b: Batch, cfg: Config):
     """Causal attention inside each document of the batch: q (T, H, D), k and v (T, Hk, D)."""
-    if cfg.grad_attn and torch.is_grad_enabled():  # the loss-gap ablation of the forward's values vs the gradient
-        attn, _, letters = cfg.grad_attn.partition(":")
-        grad = attend(q, k, v, b, replace(cfg, attn=attn, round_only=letters, grad_attn=""))
-        with torch.no_grad():
-            value = attend(q, k, v, b, replace(cfg, grad_attn=""))
-        return value.to(grad.dtype) + (grad - grad.detach())  # value's numbers exactly (+0), grad's backward
     if cfg.attn == "sdpa":  # the independent reference: a plain causal SDPA per document
         k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1).to(q.dtype) for x in (k, v))
         docs = zip(*(x.split(b.lens) for x in (q, k, v)))  # a Python loop: correct and simple, not fast
         return torch.cat([F.scaled_dot_product_attention(*(x.transpose(0, 1) for x in d), is_causal=True)
                           .transpose(0, 1) for d in docs])
     # FLAMIA takes bf16/fp16: on the CPU the model computes in fp32, so cast here. K/V scales are per
-    # --block_tokens (1: per token; 128 is faster on long documents, README "Speed"),
-    # except in the leak demo: 32-token blocks without the safeguard.
-    leaky = cfg.unsafe_leaky_attention
+    # --block_tokens, except in the leak demo: 32-token blocks without the safeguard.
+    leaky, (recipe, _, rounded) = cfg.unsafe_leaky_attention, cfg.attn.partition(":")
     q, k, v = (x.bfloat16() for x in (q, k, v))
-    if cfg.round_only:  # which rounding costs the loss: MXFP8 values of some operands, bf16 MMAs and P
-        q, k, v = (round_mxfp8(x, b.cu) if name in cfg.round_only else x for name, x in zip("qkv", (q, k, v)))
-    kw = dict(causal=True, plan=b.plan, safeguard=not leaky, rotate_qk=cfg.rotate_qk,
-              block_tokens=32 if leaky else cfg.block_tokens)
-    out = flamia.flamia_attn_varlen_func(q, k, v, b.cu, b.cu, b.max_len, b.max_len, recipe=cfg.attn, **kw)
-    if PROBE.calls is not None and out.requires_grad:  # a probed step: keep the inputs, and the step's dO
-        call = [q.detach(), k.detach(), v.detach(), None, kw]
-        out.register_hook(lambda do: call.__setitem__(3, do.detach()))
-        PROBE.calls.append(call)
-    return out
-
-
-class AttnProbe:
-    """--attn_probe_interval: on a probed step, every layer's attention call is recomputed on the same
-    q, k, v with FLAMIA's bf16 kernels, forward and backward (with the step's own dO): the relative L2
-    error of O, dq, dk and dv that the recipe's rounding adds, layer by layer, along a real run."""
-
-    def __init__(self):
-        self.calls = None  # a list while a step is probed: [q, k, v, dO, options] per layer
-
-    def measure(self, b: Batch, recipe: str) -> list:
-        """Rows (layer, variant, errors). With mxfp8 at B_t=1 also bf16 attention on the operands
-        rounded as --round_only rounds them (variants bf16:qk, bf16:v, bf16:qkv): which of Q/K's, V's
-        rounding, or (mxfp8 minus bf16:qkv) P's, makes the recipe's error."""
-        def run(r, letters, q, k, v, do, kw):
-            x = [t.clone().requires_grad_() for t in (q, k, v)]
-            ins = [round_mxfp8(t, b.cu) if n in letters else t for n, t in zip("qkv", x)]
-            o = flamia.flamia_attn_varlen_func(*ins, b.cu, b.cu, b.max_len, b.max_len, recipe=r, **kw)
-            o.backward(do)
-            return [o.detach()] + [t.grad for t in x]
-        split = recipe == "mxfp8" and all(kw["block_tokens"] == 1 for *_, kw in self.calls)
-        variants = [recipe] + (["bf16:qk", "bf16:v", "bf16:qkv"] if split else [])
-        rows = []
-        for layer, (q, k, v, do, kw) in enumerate(self.calls):
-            ref = run("bf16", "", q, k, v, do, kw)
-            for name in variants:
-                r, _, letters = name.partition(":")
-                err = [((a.float() - e.float()).norm() / e.float().norm()).item()
-                       for a, e in zip(run(r, letters, q, k, v, do, kw), ref)]
-                rows.append(dict(layer=layer, variant=name,
-                                 **{n: f"{x:.4e}" for n, x in zip(("o", "dq", "dk", "dv"), err)}))
-        self.calls = None
-        return rows
-
-
-PROBE = AttnProbe()
+    q, k, v = (round_mxfp8(x, b.cu) if name in rounded else x for name, x in zip("qkv", (q, k, v)))
+    return flamia.flamia_attn_varlen_func(q, k, v, b.cu, b.cu, b.max_len, b.max_len, recipe=recipe, causal=True,
+                                          plan=b.plan, safeguard=not leaky, rotate_qk=cfg.rotate_qk,
+                                          block_tokens=32 if leaky else cfg.block_tokens)
 
 
 class Block(nn.Module):
@@ -566,7 +508,7 @@ def attention_audit(cfg, device) -> list:
     outliers, so it shows whether the mechanism leaks even where a short run's model has not learnt to
     exploit the leak (the loss gap of leak_probe needs that). [] = no leak."""
     leaky = cfg.unsafe_leaky_attention
-    attn = functools.partial(flamia.flamia_attn_varlen_func, recipe=cfg.attn, safeguard=not leaky,
+    attn = functools.partial(flamia.flamia_attn_varlen_func, recipe=cfg.attn.partition(":")[0], safeguard=not leaky,
                              block_tokens=32 if leaky else cfg.block_tokens, rotate_qk=cfg.rotate_qk)
     return flamia.audit_causality(attn, heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                                   device=device)
@@ -625,8 +567,7 @@ def train(cfg: Config) -> dict:
     torch.manual_seed(cfg.seed)  # the same init on every rank (DDP broadcasts rank 0's anyway)
     model = raw = Llama(cfg).to(device)
     n_matmul = sum(p.numel() for p in model.parameters() if p.dim() == 2)  # the tied head counts once
-    log(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, attention {cfg.attn}"
-        f"{':' + cfg.round_only if cfg.round_only else ''}{', gradient ' + cfg.grad_attn if cfg.grad_attn else ''}, "
+    log(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, attention {cfg.attn}, "
         f"global batch {cfg.tokens_per_batch * world:,} tokens")
     # Weight decay on matmul weights only: decaying RMSNorm gains pulls them toward 0, not toward "simple".
     groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
@@ -677,24 +618,15 @@ def train(cfg: Config) -> dict:
                 w.writerows(rows)
 
     hist, val, stop = {"train_loss": [], "val_loss": []}, None, min(cfg.stop_at or cfg.max_steps, cfg.max_steps)
-    probe_rows = hist["attn_probe"] = []
     bar = tqdm(total=stop, initial=step, disable=not master, desc="train", mininterval=1.0)
     while step < stop:
         t0, lr = time.time(), lr_at(cfg, step)
         for g in opt.param_groups:
             g["lr"] = lr
         b = to_device(packer.next_batch(), device)
-        probed = master and cfg.attn_probe_interval and (step + 1) % cfg.attn_probe_interval == 0
-        PROBE.calls = [] if probed else None
         with ctx:
             loss = model(b)
         loss.backward()
-        if probed:
-            probe_rows += [dict(step=step + 1, **r) for r in PROBE.measure(b, cfg.attn)]
-            with open(os.path.join(cfg.out_dir, "attn_probe.csv"), "w", newline="") as fh:
-                w = csv.DictWriter(fh, ["step", "layer", "variant", "o", "dq", "dk", "dv"])
-                w.writeheader()
-                w.writerows(probe_rows)
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
@@ -727,9 +659,8 @@ def train(cfg: Config) -> dict:
     if cfg.eval_attn:  # the same weights and val batches, another attention: its cost free of training noise
         hist["eval_attn"] = {}
         for item in filter(None, cfg.eval_attn.split(",")):  # as validate() reads the list
-            attn, _, letters = item.partition(":")
             for blk in raw.blocks:
-                blk.cfg = replace(cfg, attn=attn, round_only=letters)
+                blk.cfg = replace(cfg, attn=item)
             hist["eval_attn"][item] = evaluate(raw, val_batches, ctx, world, device)
         for blk in raw.blocks:
             blk.cfg = cfg
