@@ -279,7 +279,7 @@ def bench_attention(args):
                  "flamia-mxfp8 B_t=128": lambda: flamia_impl("mxfp8", lens, block_tokens=128),
                  # the portable tl forward (on Hopper the default above is the Gluon forward)
                  "flamia-mxfp8 B_t=128 tl": lambda: flamia_impl("mxfp8", lens, block_tokens=128,
-                                                                backend="wgmma"),
+                                                                backend="tl"),
                  # the portable tl backward (on Hopper the default is the Gluon backward, whose dQ adds
                  # run in no fixed order)
                  "flamia-mxfp8 deterministic": lambda: flamia_impl("mxfp8", lens, deterministic=True),
@@ -659,7 +659,7 @@ def sm100_configs():
     kernels on dequantized operands, with or without the safeguard's per-token copies."""
     out = []
     for D in (128, 64):
-        for recipe, backend in (("mxfp8", "dot_scaled"), ("mxfp4", "dot_scaled"), ("bf16", "wgmma")):
+        for recipe, backend in (("mxfp8", "dot_scaled"), ("mxfp4", "dot_scaled"), ("bf16", "tl")):
             for bt in ((1, 32, 128) if recipe != "bf16" else (1,)):
                 out += [(f"{kind}-{recipe}-bt{bt}-D{D}", kind, recipe, backend, D, bt) for kind in ("fwd", "bwd")]
     return out

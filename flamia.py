@@ -155,7 +155,7 @@ class Recipe:
     all of K: K is where FP4's bytes pay); Q is always per token (a scale shared along its rows leaks)."""
     name: str
     k_format: str
-    dot_scaled: bool  # E8M0-only scales: what tl.dot_scaled takes (Blackwell's MX tensor cores)
+    e8m0_scales: bool  # all scales E8M0 (no E4M3 ones): what tl.dot_scaled takes (Blackwell's MX MMA)
 
     @property
     def quantized(self) -> bool:
@@ -169,7 +169,7 @@ class Recipe:
 _RECIPES = {r.name: r for r in (Recipe("bf16", "bf16", False), Recipe("mxfp8", "e4m3", True),
                                 Recipe("nvfp4", "nvfp4", False), Recipe("mxfp4", "mxfp4", True))}
 RECIPES = tuple(_RECIPES)
-BACKENDS = ("wgmma", "dot_scaled", "gluon")
+BACKENDS = ("tl", "dot_scaled", "gluon")  # tl: portable tl.dot (wgmma on Hopper)
 
 
 def _pad16(n):
@@ -871,7 +871,7 @@ HEAD_DIMS = tuple(sorted(TILES))
 
 class Variant(NamedTuple):  # what computes one call
     recipe: Recipe
-    backend: str  # the forward's: "wgmma", "dot_scaled" or "gluon" (one backward serves all three)
+    backend: str  # the forward's: "tl", "dot_scaled" or "gluon" (one backward serves all three)
     refusal: Optional[str] = None  # why the requested backend cannot compute the call (ValueError)
     kernel: object = None  # the tl forward: _attn_fwd or _attn_fwd_blackwell (None: Gluon's)
     tma: bool = False  # the forward reads Q, K, V through TMA descriptors (dot_scaled on Blackwell)
@@ -923,7 +923,7 @@ def _backend_refusal(r: Recipe, backend: Optional[str]) -> Optional[str]:
     """Why `backend` can compute no call of recipe r here (None: it may compute some)."""
     if backend == "gluon" and gluon_unavailable_reason():
         return f"backend='gluon' is not available here: {gluon_unavailable_reason()}"
-    if backend == "dot_scaled" and not r.dot_scaled:
+    if backend == "dot_scaled" and not r.e8m0_scales:
         return (f"backend='dot_scaled' is for recipe='mxfp8' or 'mxfp4', got recipe={r.name!r} "
                 f"(tl.dot_scaled takes no E4M3 block scales)")
     return None
@@ -931,9 +931,8 @@ def _backend_refusal(r: Recipe, backend: Optional[str]) -> Optional[str]:
 
 def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool = True,
             safeguard: bool = True, backend: Optional[str] = None, deterministic: bool = False) -> Variant:
-    """The Variant of a call on q-like x (its GPU, dtype, head dim). backend=None: the defaults of
-    README's `backend` row, each measured fastest where it is taken; the tl backward with
-    deterministic=True. Without a plan the safeguard modes (None), and refusals they decide, are unknown."""
+    """The Variant of a call on q-like x (its GPU, dtype, head dim). backend=None: the default rule
+    below, each choice measured fastest where it is taken; the tl backward with deterministic=True. Without a plan the safeguard modes (None), and refusals they decide, are unknown."""
     r, D = _RECIPES[recipe], x.shape[-1]
     row = TILES.get(D)
     if row is None:
@@ -952,7 +951,7 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
     refusal = _backend_refusal(r, backend)
     gluon_bwd = not deterministic and backend in (None, "gluon") and plan is not None
     if backend is None:
-        backend = "dot_scaled" if r.dot_scaled and blackwell else "wgmma"
+        backend = "dot_scaled" if r.e8m0_scales and blackwell else "tl"
         if (recipe == "mxfp8" and block_tokens % 128 == 0 and D == 128 and x.is_cuda
                 and torch.cuda.get_device_capability(x.device)[0] == 9):
             why = gluon_refusal(gluon_fwd)  # asked only where it decides (variant runs every call)
@@ -963,7 +962,7 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
                 warnings.warn(f"FLAMIA: not using the Gluon forward (the fastest on this GPU for "
                               f"this configuration): {why}; the tl forward computes the same function")
     elif backend == "gluon" and refusal is None and (why := gluon_refusal(gluon_fwd)):
-        refusal = f"backend='gluon' cannot compute this call: {why}; use backend='wgmma'"
+        refusal = f"backend='gluon' cannot compute this call: {why}; use backend='tl'"
     if refusal:
         return Variant(r, backend, refusal)
     tma = backend == "dot_scaled" and blackwell
@@ -977,7 +976,7 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
     bwd = "tl"
     if gluon_bwd and not gluon_refusal(gluon_dkdv):  # dQ's adds in no fixed order: not deterministic
         bwd, dkdv, modes = "gluon", gluon_dkdv(), (modes[0], mode(gluon_dkdv()[:2]), None)
-    kernel = {"wgmma": _attn_fwd, "dot_scaled": _attn_fwd_blackwell}.get(backend)
+    kernel = {"tl": _attn_fwd, "dot_scaled": _attn_fwd_blackwell}.get(backend)
     return Variant(r, backend, None, kernel, tma, k_format, copies, fwd, dkdv, dq, modes, bwd)
 
 
@@ -1259,7 +1258,7 @@ def _fwd_store(state, O, LSE, offs_m, qmask, h, H, T_Q, D: tl.constexpr, QUANT: 
     tl.store(LSE + h * T_Q + offs_m, lse, mask=qmask)
 
 
-# The portable forward (backend="wgmma": Hopper's fp8 wgmma, any other GPU, the interpreter): Q K^T
+# The portable forward (backend="tl": Hopper's fp8 wgmma, any other GPU, the interpreter): Q K^T
 # through tl.dot with the scales outside the MMA. One step = one key tile at document-local offset
 # start_n; ek, ev are its scales, loaded one step ahead: Triton software-pipelines only the loads
 # that feed a dot, so the step issues the next tile's scale loads first and their latency hides
@@ -1952,7 +1951,8 @@ def _check_options(recipe, block_tokens, backend) -> None:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
     _check_block_tokens(block_tokens)
     if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+        renamed = " (backend='wgmma' is now 'tl': the same portable tl.dot kernels)" if backend == "wgmma" else ""
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}{renamed}")
     why = _backend_refusal(_RECIPES[recipe], backend)
     if why:
         raise ValueError(why)

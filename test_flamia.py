@@ -997,7 +997,7 @@ def test_plan_device_cuda_means_current_gpu():
 #   "cuda": the H200 (triton 3.6), from this file's [measured] lines (pytest -s): O, O gain and the
 #          gradients measured within the interpreter's maxima (O 2.31e-2, gain 8.2e-4, grad 9.6e-3,
 #          grad_same 2.48e-3), LSE 9.5e-7 -- except where Hopper's fp8 MMA accumulates (lse_fp8_mma,
-#          dot_scaled_vs_wgmma), so the same table with those two allowances.
+#          dot_scaled_vs_tl), so the same table with those two allowances.
 # The checks, and what limits them (measured values: interpreter):
 #   lse: max |LSE - oracle's LSE|. LSE depends only on S, which the kernel computes from exactly the
 #        oracle's quantized operands: only fp32 summation order differs. Measured 7e-7..1.9e-6 (1-2 fp32
@@ -1021,7 +1021,7 @@ def test_plan_device_cuda_means_current_gpu():
 #        2.7-2.9e-4, fp16's unit roundoff is 8x smaller: the bound is divided by 8).
 #   fp64_quad: kernel vs exact fp64 <= fp64_quad * hypot(oracle vs fp64, kernel vs oracle): the kernel's
 #        own error is uncorrelated with the recipe's quantization error (measured ratio <= 1.02).
-#   dot_scaled_vs_wgmma: rel L2 of O between the two mxfp8/mxfp4 backends (interpreter: measured 0).
+#   dot_scaled_vs_tl: rel L2 of O between the two mxfp8/mxfp4 backends (interpreter: measured 0).
 def _per_d(d64, d128=None):
     return {64: d64, 128: d64 if d128 is None else d128}
 
@@ -1035,17 +1035,17 @@ _CPU_TOL = dict(
     grad={"bf16": _per_d(4.2e-3), **{r: _per_d(1.45e-2) for r in _QUANT}},
     grad_same={r: _per_d(3.6e-3) for r in ("bf16",) + _QUANT},
     fp64_quad=1.05,
-    dot_scaled_vs_wgmma=1e-3,
+    dot_scaled_vs_tl=1e-3,
 )
 _CUDA_TOL = dict(
     _CPU_TOL,
-    # Hopper's fp8 tensor cores (mxfp8, backend="wgmma") accumulate Q K^T with reduced precision (~14
+    # Hopper's fp8 tensor cores (mxfp8, backend="tl") accumulate Q K^T with reduced precision (~14
     # mantissa bits, not fp32; DeepSeek-V3 tech report, 3.3.2): S -- hence LSE -- moves by up to ~6e-4
     # (measured on H200 at D=128).
     lse_fp8_mma=_per_d(1e-3),
     # the same fp8 accumulation moves some P elements across an E4M3 rounding boundary: O of the two
     # backends differs by rel L2 2.0e-3 on H200.
-    dot_scaled_vs_wgmma=5e-3,
+    dot_scaled_vs_tl=5e-3,
 )
 TOL = _CPU_TOL if DEVICE == "cpu" else _CUDA_TOL
 
@@ -1059,8 +1059,8 @@ def tol(kind, recipe=None, D=64):
     return t[D] if isinstance(t, dict) else t
 
 
-def lse_tol(recipe, backend="wgmma", D=64):
-    fp8_mma = recipe == "mxfp8" and backend in ("wgmma", "gluon")  # both: Hopper's fp8 wgmma for Q K^T
+def lse_tol(recipe, backend="tl", D=64):
+    fp8_mma = recipe == "mxfp8" and backend in ("tl", "gluon")  # both: Hopper's fp8 wgmma for Q K^T
     return tol("lse_fp8_mma" if fp8_mma else "lse", D=D)
 
 
@@ -1070,7 +1070,7 @@ def gain(a, b):
     return float(((a - b) * b).sum() / (b * b).sum())
 
 
-def _check_forward(o, lse, ro, rlse, f64, recipe, what, backend="wgmma"):
+def _check_forward(o, lse, ro, rlse, f64, recipe, what, backend="tl"):
     D = o.shape[-1]
     fin = rlse.isfinite()
     assert torch.equal(lse.isfinite(), fin), f"{what}: LSE finite pattern differs"
@@ -1219,14 +1219,14 @@ def test_forward_safeguard_numerics():
 def test_default_backend_per_recipe_and_gpu(monkeypatch):
     """backend=None picks tl.dot_scaled on Blackwell (sm_100+) for the MX recipes only: nvfp4's E4M3
     block scales are not a tl.dot_scaled input, so it keeps the emulation there (it used to default to
-    dot_scaled on Blackwell and then refuse it); Hopper and the CPU take the wgmma path."""
+    dot_scaled on Blackwell and then refuse it); Hopper and the CPU take the tl path."""
     class FakeCuda:  # only what flamia.variant reads
         is_cuda, device, shape, dtype = True, "cuda:0", (8, 4, 128), BF16
     for major, expect in ((9, {}), (10, {"mxfp8": "dot_scaled", "mxfp4": "dot_scaled"})):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, major=major: (major, 0))
         for recipe in flamia.RECIPES:
-            assert flamia.variant(FakeCuda(), recipe, 1).backend == expect.get(recipe, "wgmma"), (major, recipe)
-    assert flamia.variant(torch.zeros(1, 1, 64), "mxfp8", 1).backend == "wgmma"
+            assert flamia.variant(FakeCuda(), recipe, 1).backend == expect.get(recipe, "tl"), (major, recipe)
+    assert flamia.variant(torch.zeros(1, 1, 64), "mxfp8", 1).backend == "tl"
 
 
 def test_default_backend_gluon_on_hopper(monkeypatch):
@@ -1247,13 +1247,13 @@ def test_default_backend_gluon_on_hopper(monkeypatch):
     assert backend(FakeHopper(), "mxfp8", 256) == "gluon"
     for x, recipe, bt in ((FakeHopper(), "mxfp8", 1), (FakeHopper(), "mxfp8", 64), (FakeD64(), "mxfp8", 128),
                           (FakeHopper(), "bf16", 128), (FakeHopper(), "nvfp4", 128)):
-        assert backend(x, recipe, bt) == "wgmma", (x.shape, recipe, bt)
+        assert backend(x, recipe, bt) == "tl", (x.shape, recipe, bt)
     refusal[0] = "flamia_hopper.py not importable: ImportError: gone"
     with pytest.warns(UserWarning, match="not using the Gluon forward.*not importable"):
-        assert backend(FakeHopper(), "mxfp8", 128) == "wgmma"
+        assert backend(FakeHopper(), "mxfp8", 128) == "tl"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same reason again: said once already
-        assert backend(FakeHopper(), "mxfp8", 128) == "wgmma"
+        assert backend(FakeHopper(), "mxfp8", 128) == "tl"
 
 
 def test_gluon_refuses_head_dims_it_lacks(monkeypatch):
@@ -1269,14 +1269,14 @@ def test_gluon_refuses_head_dims_it_lacks(monkeypatch):
     plan = flamia.Plan(torch.tensor([0, 100, 300], dtype=torch.int32))
     var = lambda D, **kw: flamia.variant(shape(D), "mxfp8", 128, plan, **kw)
     assert (var(128).backend, var(128).bwd) == ("gluon", "gluon")
-    assert (var(256).backend, var(256).bwd) == ("wgmma", "tl")
+    assert (var(256).backend, var(256).bwd) == ("tl", "tl")
     assert "head_dim 256" in var(256, backend="gluon").refusal
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4"])
 def test_forward_dot_scaled_backend(recipe):
     """backend="dot_scaled" (E8M0 scales inside tl.dot_scaled; runs in the interpreter with triton 3.9,
-    emulated through bf16 on Hopper) computes the same function as the default wgmma path: each meets
+    emulated through bf16 on Hopper) computes the same function as the default tl path: each meets
     the oracle tolerances above, and their outputs agree to rel L2 <= 1e-3 in the interpreter (S
     differs only in summation order; measured 0) and <= 5e-3 on CUDA (Hopper's fp8 wgmma accumulation,
     see TOL's lse_fp8_mma, moves some P elements across an E4M3 rounding boundary; measured 2.0e-3 on
@@ -1287,11 +1287,11 @@ def test_forward_dot_scaled_backend(recipe):
     ro, rlse = flamia.reference_attention(q, k, v, cu_of(LENS_FWD), **kw)
     f64 = flamia.attention_fp64(q, k, v, cu_of(LENS_FWD))
     out = {}
-    for backend in ("dot_scaled", "wgmma"):
+    for backend in ("dot_scaled", "tl"):
         out[backend] = api(q, k, v, LENS_FWD, backend=backend, **kw)
         _check_forward(*out[backend], ro, rlse, f64, recipe, backend, backend)
-    err = assert_rel(out["dot_scaled"][0], out["wgmma"][0], tol("dot_scaled_vs_wgmma"), "O dot_scaled vs wgmma")
-    print(f"[measured] {recipe}: O dot_scaled vs wgmma rel L2 {err:.2e}")
+    err = assert_rel(out["dot_scaled"][0], out["tl"][0], tol("dot_scaled_vs_tl"), "O dot_scaled vs tl")
+    print(f"[measured] {recipe}: O dot_scaled vs tl rel L2 {err:.2e}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1471,7 +1471,7 @@ def test_outputs_do_not_depend_on_unwritten_memory(recipe, bt):
 def _grid_backends():
     """(backend, reason it cannot run here or None)."""
     blackwell_emulated = DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >= 9
-    return [("wgmma", None),
+    return [("tl", None),
             ("dot_scaled", None if blackwell_emulated else "tl.dot_scaled needs sm_90+ or the interpreter"),
             ("gluon", flamia.gluon_unavailable_reason())]
 
@@ -1480,7 +1480,7 @@ def _grid():
     cases = []
     for backend, why in _grid_backends():
         for recipe in flamia.RECIPES:
-            if backend == "dot_scaled" and not flamia._RECIPES[recipe].dot_scaled:
+            if backend == "dot_scaled" and not flamia._RECIPES[recipe].e8m0_scales:
                 continue  # refused: tl.dot_scaled takes no E4M3 block scales (test_api_rejects_bad_inputs)
             for bt in flamia.BLOCK_TOKENS:
                 for D in flamia.HEAD_DIMS:
@@ -1705,9 +1705,9 @@ def test_custom_op_fake_matches_real(recipe):
     do = randn(torch.Generator().manual_seed(37), sum(lens), 2, 64)
     for bt, causal in ((1, True), (128, True), (128, False)):
         def run(q, k, v, do, cu):
-            fwd = torch.ops.flamia.fwd.default(q, k, v, cu, cu, [0, 0, 0], causal, 0.125, recipe, bt, True, "wgmma", False)
+            fwd = torch.ops.flamia.fwd.default(q, k, v, cu, cu, [0, 0, 0], causal, 0.125, recipe, bt, True, "tl", False)
             bwd = torch.ops.flamia.bwd.default(do, q, k, v, fwd[0], fwd[1], fwd[2:], cu, cu, [0, 0, 0], causal, 0.125,
-                                               recipe, bt, True, "wgmma", False)
+                                               recipe, bt, True, "tl", False)
             return list(fwd), list(bwd)
         real, real_b = run(q, k, v, do, cu_of(lens))
         with FakeTensorMode() as mode:
@@ -1971,15 +1971,15 @@ def test_gluon_is_the_hopper_default_where_fastest():
     for got, want in zip(api(q, k, v, lens, **kw), api(q, k, v, lens, backend="gluon", **kw)):
         assert_bitwise(got, want, "default vs backend='gluon'")
     for got, want in zip(api(q, k, v, lens, recipe="mxfp8", return_lse=True),
-                         api(q, k, v, lens, recipe="mxfp8", backend="wgmma", return_lse=True)):
-        assert_bitwise(got, want, "B_t=1 default vs backend='wgmma'")
+                         api(q, k, v, lens, recipe="mxfp8", backend="tl", return_lse=True)):
+        assert_bitwise(got, want, "B_t=1 default vs backend='tl'")
     flamia._SAID.clear()
     q2, k2, v2 = qkv(67, 100, Tk=150, D=128)
     with pytest.warns(UserWarning, match="not using the Gluon forward.*per-pair"):
         got = api(q2, k2, v2, (100,), (150,), **kw)
-    want = api(q2, k2, v2, (100,), (150,), backend="wgmma", **kw)
+    want = api(q2, k2, v2, (100,), (150,), backend="tl", **kw)
     for g, w in zip(got, want):
-        assert_bitwise(g, w, "fallback vs backend='wgmma'")
+        assert_bitwise(g, w, "fallback vs backend='tl'")
 
 
 @triton.jit
@@ -2131,7 +2131,7 @@ def test_gluon_backward_matches_oracle(recipe, bt, causal, heads, layout, D):
 @needs_gluon
 def test_gluon_backward_is_the_default_and_deterministic_opts_out(monkeypatch):
     """backend=None on the H200 runs the Gluon backward at both head dims (once per backward; dK, dV
-    bitwise the tl kernels', dQ to fp32 rounding); deterministic=True, or backend="wgmma", runs the
+    bitwise the tl kernels', dQ to fp32 rounding); deterministic=True, or backend="tl", runs the
     tl kernels: two runs bitwise equal, dQ included."""
     lens = (700, 33, 1, 290)
     q, k, v = qkv(90, sum(lens), D=64, requires_grad=True)
@@ -2149,7 +2149,7 @@ def test_gluon_backward_is_the_default_and_deterministic_opts_out(monkeypatch):
     var = lambda D, **kw: flamia.variant(torch.empty(1, 1, D, device="cuda", dtype=BF16), "mxfp8",
                                          1, flamia.Plan(cu_of(lens)), **kw).bwd
     assert (var(64), var(128), var(64, deterministic=True), var(128, deterministic=True),
-            var(128, backend="wgmma")) == ("gluon", "gluon", "tl", "tl", "tl")
+            var(128, backend="tl")) == ("gluon", "gluon", "tl", "tl", "tl")
     default = grads()
     assert len(calls) == 1
     first, second = grads(deterministic=True), grads(deterministic=True)
@@ -2264,6 +2264,7 @@ BAD_API = [  # id, edit of the good arguments, exception, regex the message must
     ("block_tokens_16", lambda a: a.update(block_tokens=16), ValueError, r"block_tokens must be one of"),
     ("block_tokens_str", lambda a: a.update(block_tokens="32"), ValueError, r"block_tokens must be one of"),
     ("bad_backend", lambda a: a.update(backend="cudnn"), ValueError, r"backend must be one of"),
+    ("renamed_backend", lambda a: a.update(backend="wgmma"), ValueError, r"backend='wgmma' is now 'tl'"),
     ("nvfp4_dot_scaled", lambda a: a.update(recipe="nvfp4", backend="dot_scaled"), ValueError, r"backend"),
     ("bf16_dot_scaled", lambda a: a.update(recipe="bf16", backend="dot_scaled"), ValueError, r"backend='dot_scaled'"),
     ("inf_in_q", _nonfinite("q", float("inf")), ValueError, r"inf or NaN"),
