@@ -688,21 +688,36 @@ def sm100_launches(kind, recipe, backend, D, block_tokens, T=512, H=2):
     return [c for c in calls if c[0].__name__ in names]
 
 
-def sm100_compile(fn, args, kwargs):
-    """The launcher's own path (binder -> _pack_args -> ASTSource -> compile), for sm_100a."""
+def offline_compile(fn, args, kwargs, capability):
+    """The launcher's own path (binder -> _pack_args -> ASTSource, GluonASTSource for a Gluon kernel ->
+    compile) for a GPU of this compute capability (100: sm_100a, 90: sm_90a), which this machine
+    need not have."""
     from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
     from triton.runtime.jit import create_function_from_signature
-    kwargs = dict(kwargs, debug=knobs.runtime.debug or fn.debug,
+    kwargs = dict(kwargs, debug=kwargs.get("debug", fn.debug) or knobs.runtime.debug,
                   instrumentation_mode=knobs.compilation.instrumentation_mode)
     if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):
         kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
-    target = GPUTarget("cuda", 100, 32)
+    target = GPUTarget("cuda", capability, 32)  # (backend, compute capability, warp size)
     backend = make_backend(target)
     bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
+    return triton.compile(source(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def compiled_row(row, compile_, facts):
+    """row with the facts of compile_() added, or the compiler's error (a fact too), and the time."""
+    t0 = time.time()
+    try:
+        row.update(facts(compile_()))
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e)[-1500:]}"
+    row["compile_s"] = round(time.time() - t0, 1)
+    return row
 
 
 def sm100_facts(ck):
@@ -743,14 +758,9 @@ def bench_sm100(args):
         if not selected(name, args.workloads):
             continue
         for fn, a, kw in sm100_launches(kind, recipe, backend, D, bt):
-            row = dict(config=name, kernel=fn.__name__, launch={k: v for k, v in kw.items()
-                                                                 if isinstance(v, (int, bool, str))})
-            t0 = time.time()
-            try:
-                row.update(sm100_facts(sm100_compile(fn, a, kw)))
-            except Exception as e:  # the compiler's refusal is a fact too
-                row["error"] = f"{type(e).__name__}: {str(e)[-1500:]}"
-            row["compile_s"] = round(time.time() - t0, 1)
+            launch = {k: v for k, v in kw.items() if isinstance(v, (int, bool, str))}
+            row = compiled_row(dict(config=name, kernel=fn.__name__, launch=launch),
+                               lambda: offline_compile(fn, a, kw, 100), sm100_facts)
             rows.append(row)
             L = row["launch"]
             print(f"{name:20s} {fn.__name__:15s} tiles {L.get('BLOCK_M')}x{L.get('BLOCK_N')} "
@@ -799,22 +809,6 @@ def sm90_launches(config, T=512, H=4, HK=2):
     return [c for c in calls if isinstance(c[0], GluonJITFunction)]
 
 
-def sm90_compile(fn, args, kwargs):
-    """The launcher's own path (binder -> _pack_args -> GluonASTSource -> compile), for sm_90a."""
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import create_function_from_signature
-    kwargs = dict(kwargs, debug=kwargs.get("debug", fn.debug) or knobs.runtime.debug,
-                  instrumentation_mode=knobs.compilation.instrumentation_mode)
-    target = GPUTarget("cuda", 90, 32)  # (backend, compute capability, warp size)
-    backend = make_backend(target)
-    bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
-    return triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
-
-
 def sm90_facts(ck):
     """wgmma kinds (PTX), spills (ptxas -v with triton 3.6's make_cubin flags), shared memory (which
     compiling does not check: the driver refuses at load), TMA, warp specialization, ptxas warnings."""
@@ -851,14 +845,9 @@ def bench_sm90(args):
         if not selected(config, args.workloads):
             continue
         for fn, a, kw in sm90_launches(config):
-            row = dict(config=config, kernel=fn.__name__)
             print(f"compiling {config} {fn.__name__}", file=sys.stderr, flush=True)  # names a crash's kernel
-            t0 = time.time()
-            try:
-                row.update(sm90_facts(sm90_compile(fn, a, kw)))
-            except Exception as e:  # the compiler's refusal is a fact too
-                row["error"] = f"{type(e).__name__}: {str(e)[-1500:]}"
-            row["compile_s"] = round(time.time() - t0, 1)
+            row = compiled_row(dict(config=config, kernel=fn.__name__), lambda: offline_compile(fn, a, kw, 90),
+                               sm90_facts)
             rows.append(row)
             print(f"{config:18s} {fn.__name__:17s} " + (row["error"][:120] if "error" in row else
                   f"wgmma {','.join(row['wgmma_kinds'])} x{row['n_wgmma']}, {row['spill_bytes']} B spilled, "
