@@ -1020,7 +1020,8 @@ def test_plan_device_cuda_means_current_gpu():
 #        of the stored gradients. Measured 2.24-2.52e-3 for every recipe, D and layout (fp16 inputs:
 #        2.7-2.9e-4, fp16's unit roundoff is 8x smaller: the bound is divided by 8).
 #   fp64_quad: kernel vs exact fp64 <= fp64_quad * hypot(oracle vs fp64, kernel vs oracle): the kernel's
-#        own error is uncorrelated with the recipe's quantization error (measured ratio <= 1.02).
+#        own error is uncorrelated with the recipe's quantization error (measured ratio <= 1.02; bound 1.1:
+#        a correlated error of 10% fails).
 #   dot_scaled_vs_tl: rel L2 of O between the two mxfp8/mxfp4 backends (interpreter: measured 0).
 def _per_d(d64, d128=None):
     return {64: d64, 128: d64 if d128 is None else d128}
@@ -1034,7 +1035,7 @@ _CPU_TOL = dict(
     o_gain={"bf16": _per_d(1e-4), **{r: _per_d(2e-3) for r in _QUANT}},
     grad={"bf16": _per_d(4.2e-3), **{r: _per_d(1.45e-2) for r in _QUANT}},
     grad_same={r: _per_d(3.6e-3) for r in ("bf16",) + _QUANT},
-    fp64_quad=1.05,
+    fp64_quad=1.1,
     dot_scaled_vs_tl=1e-3,
 )
 _CUDA_TOL = dict(
@@ -1543,8 +1544,8 @@ def _outlier_channels(q, k):
 def test_qk_rotation_exact_and_reduces_quantization_error():
     """rotate_qk, in the oracle (CPU, no kernels): the +-1 matrix satisfies H H^T = D I exactly, so
     S and the bf16 recipe's output do not change (fp32: rel L2 < 1e-5); on keys with outlier channels
-    the rotation cuts the error vs exact fp64 attention of O by >= 1.8x for mxfp8 and >= 1.3x for
-    nvfp4 (measured 2.5x and 1.5x), and changes nothing that matters on Gaussian data (<= 5%)."""
+    the rotation cuts the error vs exact fp64 attention of O by >= 1.8x for mxfp8 and >= 1.2x for
+    nvfp4 (measured 2.5x and 1.42x), and changes nothing that matters on Gaussian data (<= 5%)."""
     for D in (64, 128):
         h = flamia.qk_rotation(D)
         assert torch.equal(h @ h.t(), D * torch.eye(D)) and set(h.unique().tolist()) == {-1.0, 1.0}
@@ -1557,7 +1558,7 @@ def test_qk_rotation_exact_and_reduces_quantization_error():
     for data in ("normal", "outliers"):
         qq, kk = _outlier_channels(q, k) if data == "outliers" else (q, k)
         f64 = flamia.attention_fp64(qq.double(), kk.double(), v.double(), cu)
-        for recipe, gain in (("mxfp8", 1.8), ("nvfp4", 1.3)):
+        for recipe, gain in (("mxfp8", 1.8), ("nvfp4", 1.2)):
             err = [rel_l2(flamia.reference_attention(qq, kk, v, cu, recipe=recipe, rotate_qk=r), f64)
                    for r in (False, True)]
             print(f"[measured] {data} {recipe}: O rel L2 vs fp64 {err[0]:.4f} -> {err[1]:.4f} rotated")
@@ -2534,7 +2535,7 @@ def test_attn_bf16_letters_isolates_operand_rounding():
     ref = flamia.reference_attention(q, k, v, cu, recipe="mxfp8")
     assert_rel(out, ref, tol("o", "bf16"), "bf16:qkv vs the mxfp8 oracle")
     plain = flamia.reference_attention(q, k, v, cu, recipe="bf16")
-    assert rel_l2(out, plain) > 10 * tol("o", "bf16"), "bf16:qkv did not round"
+    assert rel_l2(out, plain) > 5 * tol("o", "bf16"), "bf16:qkv did not round"  # measured 3.7e-2
     cfg.attn = "bf16:v"
     assert_bitwise(tlm.round_mxfp8(q, cu), flamia.quantize_mxfp8_reference(q, cu, 1).dequantize(cu).to(BF16), "q")
     only_v = tlm.attend(q, k, v, b, cfg)
@@ -3057,9 +3058,10 @@ def test_hf_llama_matches_sdpa(hf, recipe, bt):
     """The packed row through the model, FLAMIA vs SDPA (which transformers gives a block-diagonal
     causal mask built from the restarting position_ids): logits and every parameter's gradient,
     each measured against the same model in fp32 (SDPA). bf16: FLAMIA is as accurate as SDPA in
-    bf16 (measured ratio 0.99-1.00 on seeds 0 and 1; bound 1.25: an extra error of 75% of bf16's
-    own would fail). mxfp8: the recipe's E4M3 rounding of Q, K, V and P moves logits and gradients
-    by rel L2 2.4e-2..3.2e-2 (seeds 0, 1): bound 4.5e-2."""
+    bf16 (measured ratio 0.98-1.00 on seeds 0 and 1 and several CPU kernel sets; bound 1.5: SDPA's own
+    bf16 error moves with the CPU's kernels, and an independent extra error 1.2x bf16's would fail).
+    mxfp8: the recipe's E4M3 rounding of Q, K, V and P moves logits and gradients by rel L2
+    2.4e-2..3.2e-2 (seeds 0, 1): bound 4.5e-2."""
     ids, pos = _hf_row()
     ref = _hf_logits_and_grads(_hf_use(hf, _hf_llama(hf, torch.float32), "sdpa"), ids, pos)
     sdpa = _hf_logits_and_grads(_hf_use(hf, _hf_llama(hf), "sdpa"), ids, pos)
@@ -3067,29 +3069,32 @@ def test_hf_llama_matches_sdpa(hf, recipe, bt):
     for i, what in enumerate(("logits", "gradients")):
         err, err_sdpa = rel_l2(got[i], ref[i]), rel_l2(sdpa[i], ref[i])
         print(f"[measured] {recipe}: {what} vs fp32 rel L2 {err:.2e} (SDPA bf16: {err_sdpa:.2e})")
-        bound = 1.25 * err_sdpa if recipe == "bf16" else 4.5e-2
+        bound = 1.5 * err_sdpa if recipe == "bf16" else 4.5e-2
         assert err <= bound, f"{recipe} {what}: rel L2 vs fp32 {err:.3e} > {bound:.3e}"
 
 
 @pytest.mark.parametrize("recipe,bt", [("bf16", 1), ("mxfp8", 32)])
 def test_hf_packed_row_equals_documents_one_by_one(hf, recipe, bt):
-    """Every document's logits in the packed row are BIT-IDENTICAL to the model run on that document
-    alone, for both recipes: FLAMIA's scales are document-local and its tiles start at each
-    document's start (the attention is bitwise packing-invariant: test_packed_equals_separate_
-    documents), and on the CPU the model's other layers compute each token's row independently of
-    the row count. On a GPU, cuBLAS may pick another GEMM for another row count, so there the
-    bound is the bf16 rounding such a change causes (rel L2 4e-3, not measured). A naive adapter
-    that ignores the restarting position_ids changes every logit of documents 1 and 2."""
+    """Documents of a packed row do not see each other, for both recipes: every document's logits are
+    BIT-IDENTICAL when every other document of the row holds other tokens. That holds by construction
+    on any machine (the same shapes through every layer, a token's row of a GEMM a function of that
+    token alone, FLAMIA's scales document-local and its tiles starting at each document's start),
+    whereas a document run alone goes through GEMMs of another row count, which CPU and GPU
+    libraries may sum in another order: vs alone the bound is bf16 rounding (rel L2 4e-3). A naive
+    adapter that ignores the restarting position_ids changes every logit of documents 1 and 2."""
     model = _hf_use(hf, _hf_llama(hf), recipe, block_tokens=bt)
     ids, pos = _hf_row()
     packed = _hf_logits(model, ids, pos)
     offs = offsets_of(HF_LENS)
+    others = (ids + 1 + torch.randint(0, LOUD - 1, ids.shape, generator=torch.Generator().manual_seed(1))
+              .to(ids.device)) % LOUD  # another token at every position (never LOUD)
     for d, (a, b) in enumerate(zip(offs, offs[1:])):
+        mixed = others.clone()
+        mixed[:, a:b] = ids[:, a:b]
+        assert_bitwise(packed[:, a:b], _hf_logits(model, mixed, pos)[:, a:b],
+                       f"{recipe} doc {d}: its logits moved with the other documents' tokens")
         alone = _hf_logits(model, ids[:, a:b], pos[:, a:b])
-        if DEVICE == "cpu":
-            assert_bitwise(packed[:, a:b], alone, f"{recipe} doc {d}: packed vs alone")
-        else:
-            assert_rel(packed[:, a:b], alone, 4e-3, f"{recipe} doc {d}: packed vs alone")
+        assert_rel(packed[:, a:b], alone, 4e-3, f"{recipe} doc {d}: packed vs alone")
     # teeth: a naive adapter, blind to the documents (each row one document), fails this comparison
     naive = flamia.flamia_hf_attention_fn(recipe, block_tokens=bt)
     hf.AttentionInterface.register("flamia-naive", lambda module, q, k, v, mask, scaling=None, **kw:
@@ -3200,15 +3205,16 @@ def test_hf_llama_unsafe_setting_leaks(hf):
     """The same probe has teeth, by construction (_hf_llama): with safeguard=False and 32-token K/V
     blocks, LOUD's key flushes to zero the keys of the 10 earlier queries of its block. Each of them
     but the first (which sees one key: its softmax is 1 whatever the logit) then attends uniformly
-    instead of by its logits: layer 0's attention output changes by rel L2 0.16-0.53 per row and
+    instead of by its logits (the first row's output stays v's own, exactly, in layer 0; later layers
+    may round it anew): layer 0's attention output changes by rel L2 0.16-0.53 per row and
     the model's logits by 0.087-0.14 (measured), far above bf16 rounding (2^-9 = 2e-3): bound 2e-2
     on every such row, at the attention call and through the model. Other documents stay
     bit-identical (blocks are document-local even without the safeguard)."""
     (base, base0), (loud, loud0), t = _hf_perturbed(hf, "mxfp8", 32, safeguard=False)
     start = HF_LENS[0]
+    assert _row_change(base0, loud0)[start] == 0, "layer 0: document 1's first row changed"
     for where, a, b in (("layer 0's attention output", base0, loud0), ("logits", base, loud)):
         change = _row_change(a, b)
-        assert change[start] == 0, f"{where}: document 1's first row changed"
         low = change[start + 1:t].min()
         assert low > 2e-2, (f"{where}: safeguard=False changed an earlier row of document 1 by only "
                             f"{low:.2e} (rows {change[start:t].tolist()}): the probe leaks by luck")
