@@ -932,7 +932,8 @@ def _backend_refusal(r: Recipe, backend: Optional[str]) -> Optional[str]:
 def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool = True,
             safeguard: bool = True, backend: Optional[str] = None, deterministic: bool = False) -> Variant:
     """The Variant of a call on q-like x (its GPU, dtype, head dim). backend=None: the default rule
-    below, each choice measured fastest where it is taken; the tl backward with deterministic=True. Without a plan the safeguard modes (None), and refusals they decide, are unknown."""
+    below, each choice measured fastest where it is taken; the tl backward with deterministic=True.
+    Without a plan the safeguard modes (None), and refusals they decide, are unknown."""
     r, D = _RECIPES[recipe], x.shape[-1]
     row = TILES.get(D)
     if row is None:
@@ -1951,7 +1952,7 @@ def _check_options(recipe, block_tokens, backend) -> None:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
     _check_block_tokens(block_tokens)
     if backend is not None and backend not in BACKENDS:
-        renamed = " (backend='wgmma' is now 'tl': the same portable tl.dot kernels)" if backend == "wgmma" else ""
+        renamed = " (backend='wgmma' is now 'tl')" if backend == "wgmma" else ""
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}{renamed}")
     why = _backend_refusal(_RECIPES[recipe], backend)
     if why:
@@ -1959,17 +1960,15 @@ def _check_options(recipe, block_tokens, backend) -> None:
 
 
 def _gpu_refusal(recipe, capability) -> Optional[str]:
-    """Why a GPU of this compute capability cannot run the recipe's kernels (None: it can). The FP8
-    recipes multiply E4M3 operands (FP4 ones too: Q and V are MXFP8), which needs FP8 tensor cores
-    (sm_89 and later); bf16 needs bf16 tensor cores (sm_80 and later). Refused here, not by the
-    compiler's error deep in a kernel."""
-    need = (8, 9) if _RECIPES[recipe].quantized else (8, 0)
-    if tuple(capability) >= need:
+    """Why a GPU of this compute capability cannot run the recipe's kernels (None: it can): E4M3
+    operands (every quantized recipe's Q, V) need FP8 tensor cores (sm_89+), bf16 ones sm_80+. Refused
+    here, not by a compiler error deep in a kernel."""
+    fp8 = _RECIPES[recipe].quantized
+    if tuple(capability) >= ((8, 9) if fp8 else (8, 0)):
         return None
-    have = ".".join(map(str, capability))
-    return (f"recipe={recipe!r} needs a GPU of compute capability >= {need[0]}.{need[1]} "
-            f"({'FP8' if need == (8, 9) else 'bf16'} tensor cores), this one has {have}"
-            + ("; recipe='bf16' runs here" if need == (8, 9) and tuple(capability) >= (8, 0) else ""))
+    return (f"recipe={recipe!r} needs a GPU of compute capability >= {'8.9 (FP8' if fp8 else '8.0 (bf16'} "
+            f"tensor cores), this one has {'.'.join(map(str, capability))}"
+            + ("; recipe='bf16' runs here" if fp8 and tuple(capability) >= (8, 0) else ""))
 
 
 def _attention(q, k, v, cu_q, cu_k, dense, causal, softmax_scale, recipe, block_tokens, safeguard,
@@ -2086,9 +2085,9 @@ def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BL
     def flamia_hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         (B, H, Sq, D), Sk = query.shape, key.shape[2]
         if D not in HEAD_DIMS:
-            raise ValueError(f"head_dim {D}: FLAMIA's kernels take head_dim "
-                             f"{' or '.join(map(str, HEAD_DIMS))}; set the model config's head_dim (e.g. "
-                             f"LlamaConfig(head_dim=64)), or hidden_size / num_attention_heads to one of them")
+            raise ValueError(f"head_dim {D}: FLAMIA's kernels take head_dim {' or '.join(map(str, HEAD_DIMS))}; "
+                             f"set the model config's head_dim (e.g. LlamaConfig(head_dim=64)), or "
+                             f"hidden_size / num_attention_heads to one of them")
         if attention_mask is not None and (attention_mask.dim() != 2 or not attention_mask.all()):
             raise ValueError(f"attention_mask: FLAMIA takes no padding or 4-D mask (it applies the "
                              f"causal, per-document mask itself); got shape {tuple(attention_mask.shape)}. "

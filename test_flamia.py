@@ -3020,15 +3020,16 @@ def _hf_llama(hf, dtype=BF16, seed=0, loud=False):
     return model.to(DEVICE, dtype)
 
 
-def _hf_use(hf, model, recipe, **kw):
+def _hf_use(hf, model, recipe, wrap=None, **kw):
     """Switch the model's attention to FLAMIA with these options (each set registered under a name of
     its own, with transformers' flash_attention_mask so a padding mask reaches the adapter), or to
-    SDPA (recipe "sdpa")."""
+    SDPA (recipe "sdpa"). wrap: a function of the attention function (registered under its own name)."""
     from transformers.masking_utils import flash_attention_mask
-    name = "sdpa" if recipe == "sdpa" else "flamia-" + "-".join(f"{k}={v}" for k, v in
-                                                                 sorted({**kw, "r": recipe}.items()))
+    options = sorted({**kw, "r": recipe, "wrap": id(wrap)}.items())
+    name = "sdpa" if recipe == "sdpa" else "flamia-" + "-".join(f"{k}={v}" for k, v in options)
     if recipe != "sdpa":
-        hf.AttentionInterface.register(name, flamia.flamia_hf_attention_fn(recipe, **kw))
+        attn = flamia.flamia_hf_attention_fn(recipe, **kw)
+        hf.AttentionInterface.register(name, wrap(attn) if wrap else attn)
         hf.AttentionMaskInterface.register(name, flash_attention_mask)
     model.set_attn_implementation(name)
     return model
@@ -3157,20 +3158,16 @@ def _hf_perturbed(hf, recipe, bt, safeguard=True):
     """Logits of the packed row and of the row with token 10 of document 1 (absolute 33, mid-way in
     its document's first 32-token K/V block) replaced by LOUD, each with layer 0's attention output
     (B, S, H, D) as the attention call returned it; and the position of LOUD."""
-    inner = flamia.flamia_hf_attention_fn(recipe, block_tokens=bt, safeguard=safeguard)
     layer0 = []
 
-    def recorded(module, *args, **kw):
-        out = inner(module, *args, **kw)
-        if module.layer_idx == 0:
-            layer0.append(out[0].detach())
-        return out
-    from transformers.masking_utils import flash_attention_mask
-    name = f"flamia-recorded-{recipe}-{bt}-{safeguard}"
-    hf.AttentionInterface.register(name, recorded)
-    hf.AttentionMaskInterface.register(name, flash_attention_mask)
-    model = _hf_llama(hf, loud=True)
-    model.set_attn_implementation(name)
+    def recorded(attn):
+        def fn(module, *args, **kw):
+            out = attn(module, *args, **kw)
+            if module.layer_idx == 0:
+                layer0.append(out[0].detach())
+            return out
+        return fn
+    model = _hf_use(hf, _hf_llama(hf, loud=True), recipe, wrap=recorded, block_tokens=bt, safeguard=safeguard)
     ids, pos = _hf_row()
     t = HF_LENS[0] + 10
     loud = ids.clone()
