@@ -2085,8 +2085,9 @@ def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BL
     def flamia_hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         (B, H, Sq, D), Sk = query.shape, key.shape[2]
         if D not in HEAD_DIMS:
-            raise ValueError(f"head_dim {D}: FLAMIA's kernels take head_dim {' or '.join(map(str, HEAD_DIMS))}; "
-                             f"set the model config's head_dim (e.g. LlamaConfig(head_dim=64)), or "
+            dims = " or ".join(map(str, HEAD_DIMS))
+            raise ValueError(f"head_dim {D}: FLAMIA's kernels take head_dim {dims}; set the model "
+                             f"config's head_dim (e.g. LlamaConfig(head_dim=64)), or "
                              f"hidden_size / num_attention_heads to one of them")
         if attention_mask is not None and (attention_mask.dim() != 2 or not attention_mask.all()):
             raise ValueError(f"attention_mask: FLAMIA takes no padding or 4-D mask (it applies the "
