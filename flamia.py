@@ -504,13 +504,18 @@ def _load_quant_tile(X, TILES, stride_xt, stride_xh, D: tl.constexpr, ROWS: tl.c
     offs_t = start + tl.arange(0, ROWS) * STEP + PHASE
     x = tl.load(X + offs_t[:, None] * stride_xt + h * stride_xh + tl.arange(0, D)[None, :],
                 mask=(offs_t < end)[:, None], other=0.0).to(tl.float32)
-    bad = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1)
-    return x, tl.where(bad != 0, float("inf"), tl.max(tl.abs(x), axis=1)), offs_t, end, h
+    return x, _row_amax(x), offs_t, end, h
 
 
 @triton.jit
-def _quantize_rows(x, amax, offs_t, end, col_shift, pad_end, h, Y, E, T_PAD, H: tl.constexpr,
-                   D: tl.constexpr, WRITE_T: tl.constexpr):
+def _row_amax(x):
+    bad = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1)
+    return tl.where(bad != 0, float("inf"), tl.max(tl.abs(x), axis=1))
+
+
+@triton.jit
+def _quantize_rows(x, amax, offs_t, end, col_shift, pad_end, h, Y, E, T_PAD, H, D: tl.constexpr,
+                   WRITE_T: tl.constexpr):
     """Quantizes rows x (tokens offs_t of head h) with their amax: stores the E8M0 bytes (at
     columns offs_t + col_shift of the padded layout, the document's padding as 1) and, unless
     WRITE_T (then _quantize_store stores them), the E4M3 data. Returns x / s in fp32."""
@@ -882,6 +887,7 @@ class Variant(NamedTuple):  # what computes one call
     dq: tuple = None  # ... and of the dQ kernel
     modes: tuple = None  # the safeguard of the forward, dK/dV and dQ: "off", "tile" or "pair"
     bwd: str = "tl"  # the backward's kernels: "tl" (deterministic) or "gluon" (dQ's adds unordered)
+    quantize_q: bool = False  # the tl forward quantizes Q itself (it launches a tile for every row)
 
 
 def _tile_safeguard(plan: Plan, block_tokens: int, *blocks: int) -> bool:
@@ -978,7 +984,9 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
     if gluon_bwd and not gluon_refusal(gluon_dkdv):  # dQ's adds in no fixed order: not deterministic
         bwd, dkdv, modes = "gluon", gluon_dkdv(), (modes[0], mode(gluon_dkdv()[:2]), None)
     kernel = {"tl": _attn_fwd, "dot_scaled": _attn_fwd_blackwell}.get(backend)
-    return Variant(r, backend, None, kernel, tma, k_format, copies, fwd, dkdv, dq, modes, bwd)
+    quantize_q = (kernel is _attn_fwd and r.quantized and plan is not None
+                  and not plan.rows_without_keys[causal])
+    return Variant(r, backend, None, kernel, tma, k_format, copies, fwd, dkdv, dq, modes, bwd, quantize_q)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1217,6 +1225,23 @@ def _q_exponents(EQ, row, h, q_start, q_end, qd_start, T_QPAD, BLOCK_M: tl.const
 
 
 @triton.jit
+def _quantize_query_tile(XQ, stride_t, stride_h, Q, EQ, row, h, offs_m, q_end, T_QPAD, H,
+                         D: tl.constexpr):
+    """Q per token, quantized where the forward loads it instead of in a pass of its own (which read
+    bf16 Q, wrote E4M3 for the forward to read back): the quantizer's rule and bits, stored where it
+    stores them (Operands' q, q_exp, the document's padding included) for the backward. Returns the
+    E4M3 tile and its exponents."""
+    x = tl.load(XQ + offs_m[:, None] * stride_t + h * stride_h + tl.arange(0, D)[None, :],
+                mask=(offs_m < q_end)[:, None], other=0.0).to(tl.float32)
+    amax = _row_amax(x)
+    doc_start, doc_pad = tl.load(row + OWN_START), tl.load(row + OWN_PAD)
+    pad_end = doc_pad + _pad16_dev(tl.load(row + OWN_END) - doc_start)
+    v = _quantize_rows(x, amax, offs_m, q_end, doc_pad - doc_start, pad_end, h, Q, EQ, T_QPAD, H, D,
+                       False)
+    return v.to(tl.float8e4nv), _scale_exponent(amax)
+
+
+@triton.jit
 def _kv_pointers(K, KB, EK, V, EV, KS, EKS, VS, EVS, row, hk, kd_start, k_len, HK, T_K, T_KPAD,
                  stride_vh, stride_vt, D: tl.constexpr, K_FORMAT: tl.constexpr):
     """Pointers at this document's first key and this K/V head, and V's length v_len (token-transposed
@@ -1300,20 +1325,27 @@ def _attn_fwd(
         stride_vh, stride_vd, stride_vt,  # V: token-transposed (H, D, T_pad) if fp8, else (T, H, D)
         sm_scale_log2, T_Q, T_K, H, HK,  # softmax scale * log2(e); token and head counts
         T_QPAD, T_KPAD,  # lengths of the padded token layouts (E8M0 rows, V^T)
+        XQ, stride_xqt, stride_xqh,  # the caller's Q (T, H, D), read instead of Q with QUANTIZE_Q
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED_N: tl.constexpr,
         BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, K_FORMAT: tl.constexpr,
-        SAFEGUARD: tl.constexpr):
-    """The portable forward; K_FORMAT bf16, e4m3 or fp4_decoded (KB, FP4's block scales, unused)."""
+        SAFEGUARD: tl.constexpr, QUANTIZE_Q: tl.constexpr):
+    """The portable forward; K_FORMAT bf16, e4m3 or fp4_decoded (KB, FP4's block scales, unused).
+    QUANTIZE_Q: the kernel quantizes Q itself and writes Q, EQ (_quantize_query_tile)."""
     QUANT: tl.constexpr = K_FORMAT != "bf16"
     h, hk, row, q_start, q_end, qd_start, kd_start, k_len, shift, offs_m, qmask, pos_q = (
         _query_tile(TILES, H, HK, BLOCK_M))
-    q = tl.load(Q + (offs_m[:, None] * H + h) * D + tl.arange(0, D)[None, :],
-                mask=qmask[:, None], other=0.0)
     qscale = tl.full((BLOCK_M,), sm_scale_log2, tl.float32)  # S's row factor, and Q's scale:
-    if QUANT:
-        qscale *= _exp2_int(_q_exponents(EQ, row, h, q_start, q_end, qd_start, T_QPAD, BLOCK_M, False))
-        if K_FORMAT == "fp4_decoded":  # K is bf16: E4M3 -> bf16 is exact
-            q = q.to(tl.bfloat16)
+    if QUANTIZE_Q:
+        q, e_q = _quantize_query_tile(XQ, stride_xqt, stride_xqh, Q, EQ, row, h, offs_m, q_end, T_QPAD,
+                                      H, D)
+        qscale *= _exp2_int(e_q)
+    else:
+        q = tl.load(Q + (offs_m[:, None] * H + h) * D + tl.arange(0, D)[None, :],
+                    mask=qmask[:, None], other=0.0)
+        if QUANT:
+            qscale *= _exp2_int(_q_exponents(EQ, row, h, q_start, q_end, qd_start, T_QPAD, BLOCK_M, False))
+    if K_FORMAT == "fp4_decoded":  # K is bf16: E4M3 -> bf16 is exact
+        q = q.to(tl.bfloat16)
     K, KB, EK, V, EV, KS, EKS, VS, EVS, v_len = _kv_pointers(
         K, KB, EK, V, EV, KS, EKS, VS, EVS, row, hk, kd_start, k_len, HK, T_K, T_KPAD, stride_vh,
         stride_vt, D, K_FORMAT)
@@ -1445,13 +1477,15 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
     operands = (ops.q, ops.q_exp, k_data, ops.k_block, ops.k_exp, ops.v_t, ops.v_exp, *k_tok, *v_tok)
     if var.tma and q.is_cuda:  # TMA descriptors' global scratch: where Triton launches (device, stream)
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    xq = q if q.stride(-1) == 1 else q.contiguous()  # read by the kernel with var.quantize_q
     if tiles.shape[0] > 0:
         var.kernel[(tiles.shape[0], H)](
             *operands, o, lse, tiles, *strides_v, softmax_scale * 1.4426950408889634,  # log2(e)
             Tq, Tk, H, HK, plan.padded_q, plan.padded_k, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
             MASKED_N=MASKED_N, BLOCK_TOKENS=block_tokens, CAUSAL=causal, K_FORMAT=var.k_format,
             SAFEGUARD=var.modes[0], num_warps=warps, num_stages=stages,
-            **(dict(TMA=var.tma) if var.kernel is _attn_fwd_blackwell else {}))
+            **(dict(TMA=var.tma) if var.kernel is _attn_fwd_blackwell else
+               dict(XQ=xq, stride_xqt=xq.stride(0), stride_xqh=xq.stride(1), QUANTIZE_Q=var.quantize_q)))
     return o, lse
 
 
@@ -1508,6 +1542,22 @@ def _dequantize_kernel(X, E, Y, TILES, T_PAD, H: tl.constexpr, D: tl.constexpr,
         y = tl.where(y > 65504.0, 65504.0, tl.where(y < -65504.0, -65504.0, y))  # NaN stays NaN
     tl.store(Y + ((start + offs[:, None]) * H + h) * D + offs_d[None, :], y.to(Y.dtype.element_ty),
              mask=mask[:, None])
+
+
+@triton.jit
+def _scale_cast_kernel(X, Y, scale, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    tl.store(Y + offs, (tl.load(X + offs, mask=mask) * scale).to(Y.dtype.element_ty), mask=mask)
+
+
+def _scale_cast(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """(x * scale).to(dtype) in one pass (what x.mul_(scale).to(dtype) computes, bit for bit: an
+    fp32 multiply, then one rounding), for the Gluon backward's fp32 dQ sum: one read instead of three."""
+    y = torch.empty(x.shape, dtype=dtype, device=x.device)
+    if x.numel() > 0:
+        _scale_cast_kernel[(triton.cdiv(x.numel(), 4096),)](x, y, scale, x.numel(), BLOCK=4096)
+    return y
 
 
 def _dequantize(x: MXFP8, dtype: torch.dtype, plan: Plan, side: str) -> torch.Tensor:
@@ -1742,7 +1792,7 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
                                     softmax_scale=softmax_scale, causal=causal, block_tokens=block_tokens,
                                     tile_safeguard=tile_safeguard)
         del q, k, v, ks, vs  # the bf16 operands: not held while dQ's fp32 sum is converted
-        return dq.to(dtype), dk, dv
+        return _scale_cast(dq, softmax_scale, dtype), dk, dv
     dq = (q.new_zeros if plan.rows_without_keys[causal] else q.new_empty)(Tq, H, D)
     for kernel, outs, (BM, BN, warps, stages), side, heads, mode in (  # per key tile, per query tile
             (_attn_bwd_dkdv, (dk, dv), var.dkdv, "k", HK, var.modes[1]),
@@ -1780,14 +1830,16 @@ class Operands(NamedTuple):
     v_tok_exp: torch.Tensor  # ... and its exponents
 
 
-def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, copies: bool):
+def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, copies: bool,
+                       quantize_q: bool = False):
     """The forward's Operands: ONE fused quantizer launch for Q, K and V (self-attention; two
-    when the query documents differ from the key documents or K is FP4); bf16: all unused."""
+    when the query documents differ from the key documents or K is FP4); bf16: all unused. With
+    quantize_q (Variant.quantize_q) Q's slots are only allocated: the forward kernel writes them."""
     unused = lambda: q.new_empty(0, dtype=torch.float32)
     if not recipe.quantized:
         return Operands(*(unused() for _ in Operands._fields))
     # V only token-transposed: the K-major operand of P V (the backward dequantizes this copy).
-    queries = q if plan.same_documents else None  # one tile table for Q and K: Q joins the launch
+    queries = q if plan.same_documents and not quantize_q else None  # one tile table: Q joins the launch
     if recipe.k_fp4:  # FP4 along the head dim, per token: the safeguard needs no copy of K
         kf = quantize_fp4(k, plan, recipe.k_format, "k")
         k_parts = (kf.packed, kf.s2, kf.block_scale, None, None)
@@ -1798,7 +1850,10 @@ def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, c
                                            second=(v, True), queries=queries)
         k_tok = (k8.tok.data, k8.tok.exp) if copies else (None, None)
         k_parts = (k8.data, k8.exp, None, *k_tok)
-    if q8 is None:  # cross-attention: Q follows other documents, its own launch
+    if quantize_q:
+        q8 = MXFP8(q.new_empty(q.shape, dtype=torch.float8_e4m3fn),
+                   q.new_empty(q.shape[1], plan.padded_q, dtype=torch.uint8))
+    elif q8 is None:  # cross-attention: Q follows other documents, its own launch
         q8 = quantize_mxfp8(q, plan, 1, "q")
     v_tok = (v8.tok.data_t, v8.tok.exp) if copies else (None, None)
     parts = (q8.data, q8.exp, *k_parts, v8.data_t, v8.exp, *v_tok)
@@ -1849,7 +1904,7 @@ def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: t
         _check_finite(q, k, v)
     if var.refusal:
         raise ValueError(var.refusal)
-    ops = _quantize_operands(q, k, v, plan, var.recipe, block_tokens, var.copies)
+    ops = _quantize_operands(q, k, v, plan, var.recipe, block_tokens, var.copies, var.quantize_q)
     o, lse = _attn_forward(q, k, v, ops, plan, var, causal=causal, softmax_scale=softmax_scale,
                            block_tokens=block_tokens)
     return [o, lse, *ops]

@@ -1062,15 +1062,15 @@ def bwd_block_m(D, tile_safeguard):
 
 def attn_bwd(q, k, v, ks, vs, do, lse, delta, dk, dv, tiles, *, softmax_scale, causal,
              block_tokens=1, tile_safeguard=False, fp8_kv=None):
-    """dQ (returned, fp32), dK, dV (written) of flamia's backward function, on its bf16 operands: q,
-    do (Tq, H, D); k, v and the safeguard's per-token copies ks, vs (Tk, HK, D) (the quantized
-    recipes': exactly dequantized); lse, delta (H, Tq) fp32; tiles: plan.tiles(BWD_BLOCK_N, "k",
-    causal). tile_safeguard: flamia's per-tile safeguard for bwd_block_m()-query x 128-key tiles
-    (ks, vs on the masked query tiles); without it ks, vs are ignored. fp8_kv: instead of k, v (then
-    None), the forward's MXFP8 K and V as (k_data (Tk, HK, D), k_exp, v_data_t (HK, D, T_pad),
-    v_exp (HK, T_pad)), dequantized by the kernel (not with the tile safeguard). dQ's fp32 sum
-    starts at +0.0, so it is never -0.0 and the zero rows a TMA box adds past a document's end leave
-    the next one's bits."""
+    """dQ / softmax_scale (returned, fp32), dK, dV (written) of flamia's backward function, on its
+    bf16 operands: q, do (Tq, H, D); k, v and the safeguard's per-token copies ks, vs (Tk, HK, D)
+    (the quantized recipes': exactly dequantized); lse, delta (H, Tq) fp32; tiles:
+    plan.tiles(BWD_BLOCK_N, "k", causal). tile_safeguard: flamia's per-tile safeguard for
+    bwd_block_m()-query x 128-key tiles (ks, vs on the masked query tiles); without it ks, vs are
+    ignored. fp8_kv: instead of k, v (then None), the forward's MXFP8 K and V as (k_data (Tk, HK,
+    D), k_exp, v_data_t (HK, D, T_pad), v_exp (HK, T_pad)), dequantized by the kernel (not with the
+    tile safeguard). dQ's fp32 sum starts at +0.0, so it is never -0.0 and the zero rows a TMA box
+    adds past a document's end leave the next one's bits."""
     Tq, H, D = q.shape
     Tk, HK = dk.shape[:2]
     BM, BN = bwd_block_m(D, tile_safeguard), BWD_BLOCK_N
@@ -1097,4 +1097,4 @@ def attn_bwd(q, k, v, ks, vs, do, lse, delta, dk, dv, tiles, *, softmax_scale, c
                                            BLOCK_TOKENS=block_tokens, CAUSAL=causal,
                                            TILE_SAFEGUARD=tile_safeguard,
                                            FP8_KV=fp8_kv is not None, num_warps=4, maxnreg=168)
-    return dq.mul_(softmax_scale)  # in place: no second fp32 dQ at the backward's peak
+    return dq  # unscaled: the caller scales it as it casts it (one pass over the fp32 sum)

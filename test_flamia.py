@@ -541,6 +541,51 @@ def test_quantizer_queries_same_launch(bt, copy):
         flamia.quantize_mxfp8_launch(k, cross, bt, "k", queries=q)
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_forward_kernel_quantizes_q_as_the_quantizer(monkeypatch, D):
+    """The tl forward quantizes Q itself (Variant.quantize_q): the Q, exponents (the documents'
+    padding included) it leaves for the backward are bitwise quantize_mxfp8(q, plan, 1)'s, and O, LSE
+    are bitwise those of the forward that reads the quantizer's Q -- a non-finite token included (its
+    row's scale NaN in both). A plan with rows that see no key keeps Q in the quantizer's launch."""
+    gen = torch.Generator().manual_seed(83 + D)
+    lens = QUANT_LAYOUTS[2]
+    offs, cu = offsets_of(lens), cu_of(lens)
+    q = _wide_range(gen, offs[-1], 4, D, BF16).to(DEVICE)
+    q[130, 3, 5] = float("inf")
+    k, v = (randn(gen, offs[-1], 2, D) for _ in range(2))
+    plan = flamia.Plan(cu)
+    end = sum(flamia._pad16(b - a) for a, b in zip(offs, offs[1:]))
+    args = (q, k, v, cu, cu, [0, 0, 0], True, D ** -0.5, "mxfp8", 1, True, None, False)
+    assert flamia.variant(q, "mxfp8", 1, plan).quantize_q
+    _poison_allocator()
+    o, lse, *ops = flamia._fwd_impl(*args)
+    ops = flamia.Operands(*ops)
+    want = flamia.quantize_mxfp8(q, plan, 1, "q")
+    assert_bitwise(ops.q, want.data, "Q written by the forward")
+    assert_bitwise(ops.q_exp[:, :end], want.exp[:, :end], "Q's exponents written by the forward")
+    variant = flamia.variant
+    monkeypatch.setattr(flamia, "variant", lambda *a, **kw: variant(*a, **kw)._replace(quantize_q=False))
+    o1, lse1, *_ = flamia._fwd_impl(*args)
+    assert_bitwise(o.view(torch.int16), o1.view(torch.int16), "O: Q quantized in the forward vs by the quantizer")
+    assert_bitwise(lse.view(torch.int32), lse1.view(torch.int32), "LSE: Q quantized in the forward vs quantizer")
+    assert o[130, 3].isnan().all() and not o[131:, 3].isnan().any()
+    monkeypatch.undo()
+    cross = flamia.Plan(cu_of((40, 9)), cu_of((8, 41)))  # causal: 32 query rows see no key
+    assert not flamia.variant(q[:49], "mxfp8", 1, cross).quantize_q
+
+
+def test_scale_cast_is_mul_then_cast():
+    """_scale_cast (the Gluon backward's dQ: scale and cast in one pass) gives x.mul_(scale).to(dtype)
+    bit for bit: rounding, fp16 overflow to inf, NaN, inf, signed zeros, subnormals."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 1000, 17, generator=gen) * torch.exp2(torch.randint(-140, 30, (3, 1000, 1), generator=gen))
+    x.view(-1)[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e30])
+    x = x.to(DEVICE)
+    for dtype in (BF16, FP16):
+        got, want = flamia._scale_cast(x, 128 ** -0.5, dtype), x.clone().mul_(128 ** -0.5).to(dtype)
+        assert_bitwise(got.view(torch.int16), want.view(torch.int16), f"_scale_cast to {dtype}")
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
 def test_triton_quantizer_nonfinite(bad):
     """One non-finite element makes its whole block (that head only) E8M0 NaN (255) with NaN data -- in the Triton quantizer and in the reference alike -- while every other
