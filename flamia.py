@@ -880,7 +880,7 @@ class Variant(NamedTuple):  # what computes one call
     refusal: Optional[str] = None  # why the requested backend cannot compute the call (ValueError)
     kernel: object = None  # the tl forward: _attn_fwd or _attn_fwd_blackwell (None: Gluon's)
     tma: bool = False  # the forward reads Q, K, V through TMA descriptors (dot_scaled on Blackwell)
-    k_format: str = None  # K as the tl forward reads it (5a): bf16, e4m3, fp4_decoded, fp4_packed
+    k_operand: str = None  # K as the tl forward reads it (5a): bf16, e4m3, fp4_decoded, fp4_packed
     copies: bool = False  # the safeguard's per-token copies of K and V are made (_token_copies)
     fwd: tuple = None  # (BLOCK_M, BLOCK_N, MASKED_N, num_warps, num_stages) of the forward
     dkdv: tuple = None  # (BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV kernel ...
@@ -978,15 +978,15 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
     modes = (mode(fwd[:3]), mode(dkdv[:2]), mode(dq[:2]))
     if modes[2] == "pair":
         dq = (*dq[:3], row.dq_pair_stages)
-    k_format = ("bf16" if not r.quantized else "e4m3" if not r.k_fp4 else
-                "fp4_packed" if backend == "dot_scaled" else "fp4_decoded")
+    k_operand = ("bf16" if not r.quantized else "e4m3" if not r.k_fp4 else
+                 "fp4_packed" if backend == "dot_scaled" else "fp4_decoded")
     bwd = "tl"
     if gluon_bwd and not gluon_refusal(gluon_dkdv):  # dQ's adds in no fixed order: not deterministic
         bwd, dkdv, modes = "gluon", gluon_dkdv(), (modes[0], mode(gluon_dkdv()[:2]), None)
     kernel = {"tl": _attn_fwd, "dot_scaled": _attn_fwd_blackwell}.get(backend)
     quantize_q = (kernel is _attn_fwd and r.quantized and plan is not None
                   and not plan.rows_without_keys[causal])
-    return Variant(r, backend, None, kernel, tma, k_format, copies, fwd, dkdv, dq, modes, bwd, quantize_q)
+    return Variant(r, backend, None, kernel, tma, k_operand, copies, fwd, dkdv, dq, modes, bwd, quantize_q)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1012,7 +1012,8 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
 # per-token copies KS, VS ("pair": a second small MMA on the diagonal tiles), or, where _tile_safeguard
 # holds, the masked tiles read KS, VS instead of K, V ("tile": one MMA, as at B_t = 1).
 #
-# K comes in four formats (K_FORMAT): "bf16" (recipe bf16), "e4m3" (MXFP8), "fp4_decoded" (FP4
+# K reaches the forward as one of four operands (K_OPERAND; Recipe.k_format is how K is stored):
+# "bf16" (recipe bf16), "e4m3" (MXFP8), "fp4_decoded" (FP4
 # values times their block scales, decoded to bf16 on the host -- exact, 6 significant bits -- with
 # the FP32 second level as a per-key factor: an exact emulation for GPUs without FP4 MMAs) and
 # "fp4_packed" (E2M1 + E8M0 for tl.dot_scaled, the Blackwell kernel's).
@@ -1075,19 +1076,19 @@ def _load_e8m0(E, n0, n_valid, other: tl.constexpr, BLOCK: tl.constexpr, WORDS: 
 
 
 @triton.jit
-def _key_scales(EK, EV, n0, k_len, v_len, BLOCK_N: tl.constexpr, K_FORMAT: tl.constexpr,
+def _key_scales(EK, EV, n0, k_len, v_len, BLOCK_N: tl.constexpr, K_OPERAND: tl.constexpr,
                 ONE_SCALE: tl.constexpr, WORDS: tl.constexpr):
     """The scales of the key tile starting at n0: K's (E8M0 byte as int32, or FP4's FP32 second
     level) and V's unbiased exponent (-126 past the document: it never raises ref_i). ONE_SCALE:
     the tile lies inside one scale block (B_t a multiple of the tile width): scalars."""
-    if K_FORMAT == "bf16":
+    if K_OPERAND == "bf16":
         ek = tl.zeros((BLOCK_N,), tl.int32)
         ev = ek
     elif ONE_SCALE:
         ek = tl.load(EK + n0, mask=n0 < v_len, other=127).to(tl.int32)
         ev = tl.load(EV + n0, mask=n0 < v_len, other=1).to(tl.int32) - 127
     else:
-        if K_FORMAT == "e4m3":
+        if K_OPERAND == "e4m3":
             ek = _load_e8m0(EK, n0, v_len, 127, BLOCK_N, WORDS)
         else:  # FP4's second level is token-indexed (HK, Tk) fp32
             offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -1098,11 +1099,11 @@ def _key_scales(EK, EV, n0, k_len, v_len, BLOCK_N: tl.constexpr, K_FORMAT: tl.co
 
 @triton.jit
 def _kv_descriptors(K, V, k_len, v_len, HK, stride_vd, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                    K_FORMAT: tl.constexpr):
+                    K_OPERAND: tl.constexpr):
     """TMA descriptors (Blackwell) of one document's K (k_len rows) and V^T (D rows of v_len
     padded keys), from pointers at its start and head: a box past the document's end reads zeros,
     never the next document (a NaN there times P = 0 would be NaN) or V^T's unwritten tail."""
-    W: tl.constexpr = D // 2 if K_FORMAT == "fp4_packed" else D  # FP4: two E2M1 per byte
+    W: tl.constexpr = D // 2 if K_OPERAND == "fp4_packed" else D  # FP4: two E2M1 per byte
     return (tl.make_tensor_descriptor(K, [k_len, W], [HK * W, 1], [BLOCK_N, W]),
             tl.make_tensor_descriptor(V, [D, v_len], [stride_vd, 1], [D, BLOCK_N]))
 
@@ -1243,20 +1244,20 @@ def _quantize_query_tile(XQ, stride_t, stride_h, Q, EQ, row, h, offs_m, q_end, T
 
 @triton.jit
 def _kv_pointers(K, KB, EK, V, EV, KS, EKS, VS, EVS, row, hk, kd_start, k_len, HK, T_K, T_KPAD,
-                 stride_vh, stride_vt, D: tl.constexpr, K_FORMAT: tl.constexpr):
+                 stride_vh, stride_vt, D: tl.constexpr, K_OPERAND: tl.constexpr):
     """Pointers at this document's first key and this K/V head, and V's length v_len (token-transposed
     fp8 V and E8M0 rows: in the padded token layout from OTHER_PAD, zero-padded to a multiple of 16)."""
     v_base, v_len = kd_start, k_len
-    if K_FORMAT != "bf16":
+    if K_OPERAND != "bf16":
         v_base = tl.multiple_of(tl.load(row + OTHER_PAD), 16)
         v_len = tl.multiple_of(_pad16_dev(k_len), 16)
-    W: tl.constexpr = D // 2 if K_FORMAT == "fp4_packed" else D  # FP4: two E2M1 per byte
+    W: tl.constexpr = D // 2 if K_OPERAND == "fp4_packed" else D  # FP4: two E2M1 per byte
     k_row = (kd_start * HK + hk) * W
     K, KS, KB = K + k_row, KS + k_row, KB + (kd_start * HK + hk) * (D // 32)
     e_row = hk * T_KPAD + v_base
     # K's scale row, the same for K and its per-token copy KS (the safeguard may read either): E8M0
     # in the padded layout, or FP4's token-indexed (HK, Tk) fp32 second level (then KS is K itself).
-    ek_row = e_row if K_FORMAT == "e4m3" else hk * T_K + kd_start
+    ek_row = e_row if K_OPERAND == "e4m3" else hk * T_K + kd_start
     EK, EKS = EK + ek_row, EKS + ek_row
     EV, EVS = EV + e_row, EVS + e_row
     V, VS = V + hk * stride_vh + v_base * stride_vt, VS + hk * stride_vh + v_base * stride_vt
@@ -1293,23 +1294,23 @@ def _fwd_store(state, O, LSE, offs_m, qmask, h, H, T_Q, D: tl.constexpr, QUANT: 
 def _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, K, EK, V, EV, KS, EKS, VS, EVS, k_len,
                    v_len, HK, stride_vd, stride_vt, D: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                   K_FORMAT: tl.constexpr, PAIR_SAFEGUARD: tl.constexpr, ONE_SCALE: tl.constexpr):
-    QUANT: tl.constexpr = K_FORMAT != "bf16"
+                   K_OPERAND: tl.constexpr, PAIR_SAFEGUARD: tl.constexpr, ONE_SCALE: tl.constexpr):
+    QUANT: tl.constexpr = K_OPERAND != "bf16"
     start_n = tl.multiple_of(start_n, BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)  # document-local key positions
     kmask = offs_n < k_len
-    ek_next, ev_next = _key_scales(EK, EV, start_n + BLOCK_N, k_len, v_len, BLOCK_N, K_FORMAT,
+    ek_next, ev_next = _key_scales(EK, EV, start_n + BLOCK_N, k_len, v_len, BLOCK_N, K_OPERAND,
                                    ONE_SCALE, False)
     k = _load_keys(K, start_n, k_len, HK * D, D, BLOCK_N)
     s = tl.dot(q, tl.trans(k))  # with K's (column) scales:
-    if K_FORMAT == "fp4_decoded":
+    if K_OPERAND == "fp4_decoded":
         s = s * ek[None, :]
     elif QUANT and ONE_SCALE:  # K's one scale joins the row factor (a power of two: exact)
         qscale = qscale * _exp2_int(ek)
     elif QUANT:
         s = s * _exp2_int(ek)[None, :]
     visible, same = _visible_pairs(kmask, offs_n, pos_q, BLOCK_TOKENS, CAUSAL, PAIR_SAFEGUARD)
-    if MASKED and PAIR_SAFEGUARD and K_FORMAT == "e4m3":  # FP4 K is per token: only V has a copy
+    if MASKED and PAIR_SAFEGUARD and K_OPERAND == "e4m3":  # FP4 K is per token: only V has a copy
         ks = _load_keys(KS, start_n, k_len, HK * D, D, BLOCK_N)
         eks = _load_e8m0(EKS, start_n, v_len, 127, BLOCK_N, False)
         s = tl.where(same, tl.dot(q, tl.trans(ks)) * _exp2_int(eks.to(tl.int32))[None, :], s)
@@ -1327,11 +1328,11 @@ def _attn_fwd(
         T_QPAD, T_KPAD,  # lengths of the padded token layouts (E8M0 rows, V^T)
         XQ, stride_xqt, stride_xqh,  # the caller's Q (T, H, D), read instead of Q with QUANTIZE_Q
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED_N: tl.constexpr,
-        BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, K_FORMAT: tl.constexpr,
+        BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, K_OPERAND: tl.constexpr,
         SAFEGUARD: tl.constexpr, QUANTIZE_Q: tl.constexpr):
-    """The portable forward; K_FORMAT bf16, e4m3 or fp4_decoded (KB, FP4's block scales, unused).
+    """The portable forward; K_OPERAND bf16, e4m3 or fp4_decoded (KB, FP4's block scales, unused).
     QUANTIZE_Q: the kernel quantizes Q itself and writes Q, EQ (_quantize_query_tile)."""
-    QUANT: tl.constexpr = K_FORMAT != "bf16"
+    QUANT: tl.constexpr = K_OPERAND != "bf16"
     h, hk, row, q_start, q_end, qd_start, kd_start, k_len, shift, offs_m, qmask, pos_q = (
         _query_tile(TILES, H, HK, BLOCK_M))
     qscale = tl.full((BLOCK_M,), sm_scale_log2, tl.float32)  # S's row factor, and Q's scale:
@@ -1344,29 +1345,29 @@ def _attn_fwd(
                     mask=qmask[:, None], other=0.0)
         if QUANT:
             qscale *= _exp2_int(_q_exponents(EQ, row, h, q_start, q_end, qd_start, T_QPAD, BLOCK_M, False))
-    if K_FORMAT == "fp4_decoded":  # K is bf16: E4M3 -> bf16 is exact
+    if K_OPERAND == "fp4_decoded":  # K is bf16: E4M3 -> bf16 is exact
         q = q.to(tl.bfloat16)
     K, KB, EK, V, EV, KS, EKS, VS, EVS, v_len = _kv_pointers(
         K, KB, EK, V, EV, KS, EKS, VS, EVS, row, hk, kd_start, k_len, HK, T_K, T_KPAD, stride_vh,
-        stride_vt, D, K_FORMAT)
+        stride_vt, D, K_OPERAND)
     state = _fwd_state(BLOCK_M, D)
     n_full, n_end = _key_range(q_start - qd_start + shift, q_end - qd_start + shift, k_len, BLOCK_N,
                                BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
-    ONE_SCALE: tl.constexpr = K_FORMAT == "e4m3" and BLOCK_TOKENS % BLOCK_N == 0  # (_key_scales)
-    ek, ev = _key_scales(EK, EV, 0, k_len, v_len, BLOCK_N, K_FORMAT, ONE_SCALE, False)
+    ONE_SCALE: tl.constexpr = K_OPERAND == "e4m3" and BLOCK_TOKENS % BLOCK_N == 0  # (_key_scales)
+    ek, ev = _key_scales(EK, EV, 0, k_len, v_len, BLOCK_N, K_OPERAND, ONE_SCALE, False)
     for start_n in range(0, n_full, BLOCK_N):
         state, ek, ev = _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, K, EK, V, EV, KS, EKS,
                                        VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D, BLOCK_N,
-                                       BLOCK_TOKENS, CAUSAL, False, K_FORMAT, False, ONE_SCALE)
+                                       BLOCK_TOKENS, CAUSAL, False, K_OPERAND, False, ONE_SCALE)
     # Masked tiles (the diagonal) are MASKED_N keys wide: narrower tiles there waste fewer masked
     # pairs and keep the mask and safeguard temporaries within the register budget.
     if SAFEGUARD == "tile":  # every masked tile lies in the query tile's own key block
         K, EK, V, EV = KS, EKS, VS, EVS
-    ek, ev = _key_scales(EK, EV, n_full, k_len, v_len, MASKED_N, K_FORMAT, False, False)
+    ek, ev = _key_scales(EK, EV, n_full, k_len, v_len, MASKED_N, K_OPERAND, False, False)
     for start_n in range(n_full, n_end, MASKED_N):
         state, ek, ev = _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, K, EK, V, EV, KS, EKS,
                                        VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D, MASKED_N,
-                                       BLOCK_TOKENS, CAUSAL, True, K_FORMAT, SAFEGUARD == "pair", False)
+                                       BLOCK_TOKENS, CAUSAL, True, K_OPERAND, SAFEGUARD == "pair", False)
     _fwd_store(state, O, LSE, offs_m, qmask, h, H, T_Q, D, QUANT)
 
 
@@ -1378,12 +1379,12 @@ def _attn_fwd(
 def _attn_fwd_blackwell_step(state, ek, ev, q, q_e8, qscale, pos_q, start_n, K, KB, EK, V, EV, KS,
                              EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
-                             MASKED: tl.constexpr, K_FORMAT: tl.constexpr, PAIR_SAFEGUARD: tl.constexpr):
+                             MASKED: tl.constexpr, K_OPERAND: tl.constexpr, PAIR_SAFEGUARD: tl.constexpr):
     start_n = tl.multiple_of(start_n, BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)  # document-local key positions
     kmask = offs_n < k_len
-    ek_next, ev_next = _key_scales(EK, EV, start_n + BLOCK_N, k_len, v_len, BLOCK_N, K_FORMAT, False, True)
-    if K_FORMAT == "fp4_packed":  # E4M3 x E2M1, both with E8M0 block scales
+    ek_next, ev_next = _key_scales(EK, EV, start_n + BLOCK_N, k_len, v_len, BLOCK_N, K_OPERAND, False, True)
+    if K_OPERAND == "fp4_packed":  # E4M3 x E2M1, both with E8M0 block scales
         k = _load_keys(K, start_n, k_len, HK * D // 2, D // 2, BLOCK_N, 0)
         k_e8 = _load_keys(KB, start_n, k_len, HK * D // 32, D // 32, BLOCK_N, 127)
         s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), k_e8, "e2m1") * ek[None, :]
@@ -1391,7 +1392,7 @@ def _attn_fwd_blackwell_step(state, ek, ev, q, q_e8, qscale, pos_q, start_n, K, 
         k = _load_keys(K, start_n, k_len, HK * D, D, BLOCK_N)
         s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), _e8m0_blocks(ek, D), "e4m3")
     visible, same = _visible_pairs(kmask, offs_n, pos_q, BLOCK_TOKENS, CAUSAL, PAIR_SAFEGUARD)
-    if MASKED and PAIR_SAFEGUARD and K_FORMAT == "e4m3":  # FP4 K is per token: only V has a copy
+    if MASKED and PAIR_SAFEGUARD and K_OPERAND == "e4m3":  # FP4 K is per token: only V has a copy
         ks = _load_keys(KS, start_n, k_len, HK * D, D, BLOCK_N)
         eks = _load_e8m0(EKS, start_n, v_len, 127, BLOCK_N, True)
         s_tok = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(ks), _e8m0_blocks(eks, D), "e4m3")
@@ -1405,7 +1406,7 @@ def _attn_fwd_blackwell_step(state, ek, ev, q, q_e8, qscale, pos_q, start_n, K, 
 def _attn_fwd_blackwell(Q, EQ, K, KB, EK, V, EV, KS, EKS, VS, EVS, O, LSE, TILES,  # as _attn_fwd's
         stride_vh, stride_vd, stride_vt, sm_scale_log2, T_Q, T_K, H, HK, T_QPAD, T_KPAD,
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED_N: tl.constexpr,
-        BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, K_FORMAT: tl.constexpr,
+        BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, K_OPERAND: tl.constexpr,
         SAFEGUARD: tl.constexpr, TMA: tl.constexpr):
     h, hk, row, q_start, q_end, qd_start, kd_start, k_len, shift, offs_m, qmask, pos_q = (
         _query_tile(TILES, H, HK, BLOCK_M))
@@ -1419,29 +1420,29 @@ def _attn_fwd_blackwell(Q, EQ, K, KB, EK, V, EV, KS, EKS, VS, EVS, O, LSE, TILES
     q_e8 = _e8m0_blocks(_q_exponents(EQ, row, h, q_start, q_end, qd_start, T_QPAD, BLOCK_M, True), D)
     K, KB, EK, V, EV, KS, EKS, VS, EVS, v_len = _kv_pointers(
         K, KB, EK, V, EV, KS, EKS, VS, EVS, row, hk, kd_start, k_len, HK, T_K, T_KPAD, stride_vh,
-        stride_vt, D, K_FORMAT)
+        stride_vt, D, K_OPERAND)
     n_full, n_end = _key_range(q_start - qd_start + shift, q_end - qd_start + shift, k_len, BLOCK_N,
                                BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
     state = _fwd_state(BLOCK_M, D)
     K1, V1 = K, V
     if TMA:
-        K1, V1 = _kv_descriptors(K, V, k_len, v_len, HK, stride_vd, D, BLOCK_N, K_FORMAT)
-    ek, ev = _key_scales(EK, EV, 0, k_len, v_len, BLOCK_N, K_FORMAT, False, True)
+        K1, V1 = _kv_descriptors(K, V, k_len, v_len, HK, stride_vd, D, BLOCK_N, K_OPERAND)
+    ek, ev = _key_scales(EK, EV, 0, k_len, v_len, BLOCK_N, K_OPERAND, False, True)
     for start_n in range(0, n_full, BLOCK_N):
         state, ek, ev = _attn_fwd_blackwell_step(
             state, ek, ev, q, q_e8, qscale, pos_q, start_n, K1, KB, EK, V1, EV, KS, EKS, VS, EVS, k_len,
-            v_len, HK, stride_vd, stride_vt, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False, K_FORMAT, False)
+            v_len, HK, stride_vd, stride_vt, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False, K_OPERAND, False)
     if SAFEGUARD == "tile":
         K, EK, V, EV = KS, EKS, VS, EVS
     if TMA:  # the masked tiles' boxes are MASKED_N keys wide
-        K, V = _kv_descriptors(K, V, k_len, v_len, HK, stride_vd, D, MASKED_N, K_FORMAT)
+        K, V = _kv_descriptors(K, V, k_len, v_len, HK, stride_vd, D, MASKED_N, K_OPERAND)
         if SAFEGUARD == "pair":
-            KS, VS = _kv_descriptors(KS, VS, k_len, v_len, HK, stride_vd, D, MASKED_N, K_FORMAT)
-    ek, ev = _key_scales(EK, EV, n_full, k_len, v_len, MASKED_N, K_FORMAT, False, True)
+            KS, VS = _kv_descriptors(KS, VS, k_len, v_len, HK, stride_vd, D, MASKED_N, K_OPERAND)
+    ek, ev = _key_scales(EK, EV, n_full, k_len, v_len, MASKED_N, K_OPERAND, False, True)
     for start_n in range(n_full, n_end, MASKED_N):
         state, ek, ev = _attn_fwd_blackwell_step(
             state, ek, ev, q, q_e8, qscale, pos_q, start_n, K, KB, EK, V, EV, KS, EKS, VS, EVS, k_len,
-            v_len, HK, stride_vd, stride_vt, D, MASKED_N, BLOCK_TOKENS, CAUSAL, True, K_FORMAT,
+            v_len, HK, stride_vd, stride_vt, D, MASKED_N, BLOCK_TOKENS, CAUSAL, True, K_OPERAND,
             SAFEGUARD == "pair")
     _fwd_store(state, O, LSE, offs_m, qmask, h, H, T_Q, D, True)
 
@@ -1470,7 +1471,7 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
                                       tiles, per_token=per_token, v_len=plan.pad_k[-1], **kw)
     BLOCK_M, BLOCK_N, MASKED_N, warps, stages = var.fwd
     strides_v = (D * plan.padded_k, plan.padded_k, 1) if var.recipe.quantized else (D, 1, HK * D)
-    k_data = (dequantize_fp4(ops.k, ops.k_block, dtype=torch.bfloat16) if var.k_format == "fp4_decoded"
+    k_data = (dequantize_fp4(ops.k, ops.k_block, dtype=torch.bfloat16) if var.k_operand == "fp4_decoded"
               else ops.k)
     k_tok = (ops.k_tok, ops.k_tok_exp) if var.copies and not var.recipe.k_fp4 else (k_data, ops.k_exp)
     v_tok = (ops.v_tok_t, ops.v_tok_exp) if var.copies else (ops.v_t, ops.v_exp)
@@ -1482,7 +1483,7 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
         var.kernel[(tiles.shape[0], H)](
             *operands, o, lse, tiles, *strides_v, softmax_scale * 1.4426950408889634,  # log2(e)
             Tq, Tk, H, HK, plan.padded_q, plan.padded_k, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            MASKED_N=MASKED_N, BLOCK_TOKENS=block_tokens, CAUSAL=causal, K_FORMAT=var.k_format,
+            MASKED_N=MASKED_N, BLOCK_TOKENS=block_tokens, CAUSAL=causal, K_OPERAND=var.k_operand,
             SAFEGUARD=var.modes[0], num_warps=warps, num_stages=stages,
             **(dict(TMA=var.tma) if var.kernel is _attn_fwd_blackwell else
                dict(XQ=xq, stride_xqt=xq.stride(0), stride_xqh=xq.stride(1), QUANTIZE_Q=var.quantize_q)))
