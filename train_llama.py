@@ -1,10 +1,6 @@
 """
-train_llama.py -- pretrain a small Llama on packed documents with FLAMIA attention.
-
-nanoGPT-style: one readable file, no framework. A batch is a fixed token budget filled with whole
-documents; attention never crosses a document (cu_seqlens), RoPE positions restart at every
-document, and nothing is learned across a document boundary (a document's last token has no
-target). Attention runs through flamia.flamia_attn_varlen_func (MXFP8 by default).
+train_llama.py -- pretrain a small Llama on packed documents with FLAMIA attention, nanoGPT-style (README: "Train a
+Llama"). Attention, RoPE positions and next-token targets never cross a document.
 
     python train_llama.py                              # 1 GPU: 25M-param Llama, 2,000 steps, ~2 minutes on an H200
     python train_llama.py                              # no GPU: tiny config (CPU_DEFAULTS), 600 steps
@@ -16,26 +12,13 @@ target). Attention runs through flamia.flamia_attn_varlen_func (MXFP8 by default
     python train_llama.py --resume --eval_leak         # leak probe of the trained checkpoint
     python train_llama.py --unsafe_leaky_attention --eval_leak   # the leak demo (mxfp8, no safeguard)
 
-Data. Default, no download: every *.py file of the Python standard library (site-packages
-excluded), sorted, one file = one document, bytes as tokens (vocab 256). Its size depends on the
-Python install (29.9M training tokens from one pyenv Python 3.11; ~9.4M on the H200 machine of
-the README's runs): the "data:" line of the log prints it. --data PATH can be
+--data PATH (default: the standard library's *.py files, site-packages excluded, bytes as tokens) can be
   * a directory: every *.txt *.md *.rst *.py below it (recursive, sorted), one file = one document;
   * a text file: documents separated by two (or more) consecutive blank lines;
-  * a directory with nanoGPT-style train.bin / val.bin (raw uint16 token ids, no header), or one
-    .bin file: a document ENDS with --doc_sep_token (kept as its last token, so the model learns
-    to end documents); --vocab_size is then required.
-Every --val_every-th document is held out for validation, unless a val.bin exists. Documents
-longer than --max_doc_len (the context window, <= the batch budget) are cut into pieces.
-A real corpus, e.g. FineWeb-Edu: copy nanoGPT's data/openwebtext/prepare.py, load
-"HuggingFaceFW/fineweb-edu" (name="sample-10BT") instead of openwebtext and run it; it writes
-train.bin / val.bin of GPT-2 tokens with <|endoftext|> (50256) after every document. Then
-    python train_llama.py --data data/fineweb_edu --vocab_size 50304 --doc_sep_token 50256
-Outputs in --out_dir (default out_train): out_train/ckpt.pt, out_train/log.csv (step, train_loss,
-val_loss, lr, tokens_per_s) and out_train/loss.png.
+  * nanoGPT's train.bin / val.bin or one .bin file: uint16 token ids, --doc_sep_token ENDS a document (kept: the model
+    learns to end documents); needs --vocab_size, e.g. 50304 ("HuggingFaceFW/fineweb-edu" via nanoGPT's prepare.py).
 """
 import argparse
-import contextlib
 import csv
 import functools
 import inspect
@@ -73,7 +56,7 @@ class Config:
     tie_embeddings: bool = True  # share the input embedding and the output head (why: class Llama)
     rope_theta: float = 10000.0  # RoPE base
     attn: str = "mxfp8"  # a FLAMIA recipe; sdpa (plain SDPA per document: the reference); bf16:LETTERS (below)
-    unsafe_leaky_attention: bool = False  # mxfp8 WITHOUT the causal safeguard: leaks the future (demo; in out_train_leaky)
+    unsafe_leaky_attention: bool = False  # mxfp8 WITHOUT the causal safeguard: leaks the future (demo: out_train_leaky)
     rotate_qk: bool = False  # Hadamard-rotate Q and K before quantizing (flamia rotate_qk; same logits)
     eval_attn: str = ""  # diagnostic: after training, val loss again with each of these attentions (bf16,mxfp8,bf16:qk)
     block_tokens: int = flamia.DEFAULT_BLOCK_TOKENS  # tokens per K/V scale block (1: the fastest fwd+bwd measured)
@@ -110,60 +93,39 @@ MODEL_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "h
 TEXT_EXTS = (".txt", ".md", ".rst", ".py")
 
 
-def die(msg):
-    """Bad input: one clear line on stderr and exit code 2 (argparse's convention), no traceback."""
+def die(msg):  # bad input: one clear line on stderr and exit code 2 (argparse's convention), no traceback
     print(f"train_llama.py: error: {msg}", file=sys.stderr)
     sys.exit(2)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse would print the usage too; keep die()'s one-line contract
-        die(message)
-
-
-def _field_help() -> dict:
-    """{field: its inline comment in Config}: the comments above are the --help text (one source)."""
-    try:
-        src = inspect.getsource(Config)
-    except (OSError, TypeError):  # no source file (e.g. a frozen build): flags without descriptions
-        return {}
-    return dict(re.findall(r"^ +(\w+): [^=]+=.*?  # (.*)$", src, re.M))
-
-
 def parse_config(argv=None) -> Config:
-    """Flags come from the dataclass: a new field is a new flag, its comment the --help line. They
-    default to None, so we know what the user set; everything else takes the GPU defaults (the
-    dataclass) or CPU_DEFAULTS."""
-    gpu, cpu = Config(), Config(**CPU_DEFAULTS)
-    show = lambda x: '""' if x == "" else str(x)
+    """A flag per Config field, its comment the --help line; unset flags (None) take the GPU or CPU defaults."""
+    gpu, cpu, show = Config(), Config(**CPU_DEFAULTS), lambda x: '""' if x == "" else str(x)
     no_gpu = textwrap.fill(" ".join(f"--{k}\0{show(v)}" for k, v in CPU_DEFAULTS.items()), 96,  # \0: keep pairs
                            initial_indent="  ", subsequent_indent="  ").replace("\0", " ")
     outputs = ", ".join(os.path.join(gpu.out_dir, f) for f in ("ckpt.pt", "log.csv", "loss.png"))
     formatter = lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=40)
-    p = _Parser(usage="%(prog)s [-h] [--OPTION VALUE ...]", formatter_class=formatter,
-                description="Pretrain a small Llama on packed documents with FLAMIA attention (examples: the "
-                "module docstring).\nEvery option has a default; 'no GPU:' marks the tiny config used without "
-                "CUDA.",
-                epilog=f"without a CUDA GPU these defaults change (a tiny config for a CPU):\n{no_gpu}\n"
-                "boolean options: --compile, --compile 1, --compile false\n"
-                f"outputs (in --out_dir): {outputs}")
-    helps, metavars = _field_help(), {"attn": "{" + ",".join(flamia.RECIPES + ("sdpa",)) + "}", "data": "PATH",
-                                      "block_tokens": "{" + ",".join(map(str, flamia.BLOCK_TOKENS)) + "}",
-                                      "out_dir": "DIR", int: "N", float: "X", str: "S"}
-    for f in fields(Config):
+    p = argparse.ArgumentParser(
+        usage="%(prog)s [-h] [--OPTION VALUE ...]", formatter_class=formatter,
+        description="Pretrain a small Llama on packed documents with FLAMIA attention (examples: the module "
+        "docstring).\nEvery option has a default; 'no GPU:' marks the tiny config used without CUDA.",
+        epilog=f"without a CUDA GPU these defaults change (a tiny config for a CPU):\n{no_gpu}\n"
+        f"boolean options: --compile, --compile 1, --compile false\noutputs (in --out_dir): {outputs}")
+    p.error = die  # argparse would print the usage too; keep die()'s one-line contract
+    try:  # the comments of class Config are the --help text (one source)
+        helps = dict(re.findall(r"^ +(\w+): [^=]+=.*?  # (.*)$", inspect.getsource(Config), re.M))
+    except (OSError, TypeError):  # no source file (e.g. a frozen build): flags without descriptions
+        helps = {}
+    metavars = {"attn": "{" + ",".join(flamia.RECIPES + ("sdpa",)) + "}", "data": "PATH", "out_dir": "DIR",
+                "block_tokens": "{" + ",".join(map(str, flamia.BLOCK_TOKENS)) + "}", int: "N", float: "X", str: "S"}
+    boolean = dict(nargs="?", const=True, type=lambda s: s.lower() in ("1", "true", "yes"), metavar="BOOL")
+    for f in fields(Config):  # no argparse choices: validate() reports a bad --attn in its own words
         a, b = getattr(gpu, f.name), getattr(cpu, f.name)
         default = f"default {show(a)}" + (f"; no GPU: {show(b)}" if b != a else "")
-        h = (helps.get(f.name, "") + f" ({default})").strip().replace("%", "%%")
-        if f.type is bool:  # --compile, --compile true, --compile 0
-            p.add_argument(f"--{f.name}", nargs="?", const=True, type=lambda s: s.lower() in ("1", "true", "yes"),
-                           metavar="BOOL", help=h)
-        else:  # no argparse choices: validate() reports a bad --attn in its own words
-            p.add_argument(f"--{f.name}", type=f.type, metavar=metavars.get(f.name, metavars[f.type]), help=h)
+        kw = boolean if f.type is bool else dict(type=f.type, metavar=metavars.get(f.name, metavars[f.type]))
+        p.add_argument(f"--{f.name}", help=(helps.get(f.name, "") + f" ({default})").strip().replace("%", "%%"), **kw)
     cfg = Config(**({} if torch.cuda.is_available() else CPU_DEFAULTS))
-    for k, v in vars(p.parse_args(argv)).items():
-        if v is not None:
-            setattr(cfg, k, v)
-    return cfg
+    return replace(cfg, **{k: v for k, v in vars(p.parse_args(argv)).items() if v is not None})
 
 
 def validate(cfg: Config):
@@ -197,8 +159,7 @@ def validate(cfg: Config):
 
 
 # ---------------------------------------------------------------------------------------------
-# Data. A corpus is ONE flat token array plus document [start, end) offsets: a 10B-token memmap
-# then costs two int64 arrays, not ten million Python objects.
+# Data. A corpus is ONE flat token array plus [start, end) offsets: a 10B-token memmap costs two int64 arrays.
 # ---------------------------------------------------------------------------------------------
 class Corpus:
     def __init__(self, tokens, starts, ends):
@@ -206,9 +167,6 @@ class Corpus:
 
     def __len__(self):
         return len(self.starts)
-
-    def subset(self, idx):
-        return Corpus(self.tokens, self.starts[idx], self.ends[idx])
 
     def cut(self, max_len):
         """Each document longer than max_len becomes pieces of max_len (the last one shorter)."""
@@ -225,8 +183,7 @@ def _bytes_corpus(blobs):
 
 def _bin_corpus(path, sep, vocab_size):
     tok = np.memmap(path, dtype=np.uint16, mode="r")
-    step = 1 << 26  # scan in chunks: `tok == sep` over 10B tokens at once would need 10 GB
-    ends = []
+    step, ends = 1 << 26, []  # scan in chunks: `tok == sep` over 10B tokens at once would need 10 GB
     for i in range(0, len(tok), step):
         chunk = tok[i:i + step]
         if (top := int(chunk.max())) >= vocab_size:  # the embedding would fail with an IndexError
@@ -236,15 +193,6 @@ def _bin_corpus(path, sep, vocab_size):
     ends = np.concatenate(ends + [np.array([len(tok)], np.int64)])
     ends = np.unique(ends[ends > 0])  # the tail after the last separator is a document too
     return Corpus(tok, np.r_[0, ends[:-1]], ends)
-
-
-def _text_file(path):
-    """The bytes of a text file; a binary one (NUL bytes, which text never holds) is refused."""
-    data = open(path, "rb").read()
-    if b"\0" in data:
-        die(f"--data {path}: not a text file (it holds NUL bytes); for token ids give a .bin file "
-            "(raw uint16, as nanoGPT's prepare.py writes) or a directory holding train.bin")
-    return data
 
 
 def load_documents(cfg: Config):
@@ -266,15 +214,18 @@ def load_documents(cfg: Config):
             dirs[:] = sorted(d for d in dirs if d not in skip)
             files += [os.path.join(root, n) for n in sorted(names) if n.endswith(TEXT_EXTS if cfg.data else ".py")]
         train = _bytes_corpus([open(f, "rb").read() for f in files])
-    else:
-        train = _bytes_corpus(re.split(rb"\n(?:[ \t]*\n){2,}", _text_file(path)))
+    else:  # a text file; a binary one (NUL bytes, which text never holds) is refused
+        if b"\0" in (text := open(path, "rb").read()):
+            die(f"--data {path}: not a text file (it holds NUL bytes); for token ids give a .bin file "
+                "(raw uint16, as nanoGPT's prepare.py writes) or a directory holding train.bin")
+        train = _bytes_corpus(re.split(rb"\n(?:[ \t]*\n){2,}", text))
     if len(train) == 0:
         die(f"--data {path}: no documents found (empty, or no {'/'.join(TEXT_EXTS)} files)")
     if val is None:  # hold out whole documents BEFORE cutting, so no file is in both splits
         if len(train) < 2:
             die(f"--data {path}: need at least 2 documents (one to train on, one to validate)")
         is_val = np.arange(len(train)) % cfg.val_every == 0
-        train, val = train.subset(~is_val), train.subset(is_val)
+        train, val = (Corpus(train.tokens, train.starts[m], train.ends[m]) for m in (~is_val, is_val))
     return train.cut(cfg.max_doc_len), val.cut(cfg.max_doc_len), vocab
 
 
@@ -285,22 +236,16 @@ class Batch:
         self.tokens, self.targets, self.cu, self.lens, self.n_real = tokens, targets, cu, lens, n_real
         self.max_len, self.plan = max(lens), None  # lens is a host list: max_len and FLOPs need no sync
 
-    def to(self, device):
-        return Batch(*(t.to(device, non_blocking=True) for t in (self.tokens, self.targets, self.cu)),
-                     self.lens, self.n_real)
-
 
 def make_batch(corpus: Corpus, doc_ids, budget: int, max_len: int) -> Batch:
-    """Concatenate whole documents and pad to exactly `budget` tokens (stable shapes for
-    torch.compile and memory). Padding is cut into short documents of its own: nothing attends to
-    it, it has no targets, and its attention costs O(128^2) per piece instead of O(pad^2)."""
+    """Concatenate whole documents and pad to exactly `budget` tokens (stable shapes for torch.compile and memory).
+    Padding is short documents of its own: nothing attends to it, no targets, O(128^2) attention per piece."""
     parts = [np.asarray(corpus.tokens[corpus.starts[d]:corpus.ends[d]], np.int64) for d in doc_ids]
     lens, n_real, piece = [len(p) for p in parts], sum(len(p) for p in parts), min(128, max_len)
     lens += [piece] * ((budget - n_real) // piece) + [(budget - n_real) % piece] * ((budget - n_real) % piece > 0)
     tokens = torch.from_numpy(np.concatenate(parts + [np.zeros(budget - n_real, np.int64)]))
     cu = torch.tensor(np.cumsum([0] + lens), dtype=torch.int32)
-    # Next-token targets INSIDE a document only: shift left, then blank each document's last token
-    # (its "next token" would be the start of an unrelated document) and all padding.
+    # Next-token targets INSIDE a document: none for its last token (next comes another document) nor for padding
     targets = torch.roll(tokens, -1)
     targets[cu[1:].long() - 1] = -100
     targets[n_real:] = -100
@@ -308,17 +253,14 @@ def make_batch(corpus: Corpus, doc_ids, budget: int, max_len: int) -> Batch:
 
 
 class Packer:
-    """Deals this rank's documents into fixed-budget batches, reproducibly.
-
-    Documents are dealt to ranks once (document i to rank i % world): none is split across ranks or
-    seen by two. Each rank reshuffles its share every epoch from (seed, rank, epoch), so an epoch
-    sees each document once. First-fit over a 64-document lookahead keeps padding low without
+    """Deals this rank's documents (document i to rank i % world: never split or shared) into fixed-budget batches,
+    reshuffled every epoch from (seed, rank, epoch); first-fit over a lookahead of documents keeps padding low without
     sorting the corpus. (epoch, cursor, pending) is the whole data position: a checkpoint saves it."""
 
-    def __init__(self, corpus, budget, max_len, rank=0, world=1, seed=0, loop=True):
-        self.corpus, self.budget, self.max_len, self.seed, self.rank, self.loop = corpus, budget, max_len, seed, rank, loop
-        self.mine, self.lens = np.arange(rank, len(corpus), world), corpus.ends - corpus.starts
-        self.lookahead = min(64, len(self.mine))
+    def __init__(self, corpus, budget, max_len, rank=0, world=1, seed=0, loop=True, lookahead=64):
+        self.corpus, self.budget, self.max_len, self.loop = corpus, budget, max_len, loop
+        self.seed, self.rank, self.mine = seed, rank, np.arange(rank, len(corpus), world)
+        self.lens, self.lookahead = corpus.ends - corpus.starts, min(lookahead, len(self.mine))
         self.epoch, self.cursor, self.pending, self.order = 0, 0, [], None
 
     def state_dict(self):
@@ -353,12 +295,10 @@ class Packer:
 
 
 # ---------------------------------------------------------------------------------------------
-# Model: Llama (RMSNorm, RoPE, SwiGLU, GQA, no biases) on packed (total_tokens, ...) tensors.
-# There is no batch dimension: documents are told apart by cu_seqlens alone.
+# Model: Llama (RMSNorm, RoPE, SwiGLU, GQA, no biases) on packed (total_tokens, ...) tensors: cu_seqlens, no batch dim.
 # ---------------------------------------------------------------------------------------------
 def positions_from_cu(cu: torch.Tensor, total: int) -> torch.Tensor:
-    """Each token's position inside its own document: RoPE restarts at 0 at every document start,
-    so a document is encoded the same wherever the packer put it."""
+    """Each token's position in its own document: RoPE restarts at 0 at every document, wherever it was packed."""
     return torch.arange(total, device=cu.device) - torch.repeat_interleave(cu[:-1].long(), cu.diff().long(),
                                                                            output_size=total)
 
@@ -394,34 +334,30 @@ def attend(q, k, v, b: Batch, cfg: Config):
 class Block(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
-        self.cfg, d, D = cfg, cfg.d_model, cfg.head_dim
+        self.cfg, d, D, H, Hk, f = cfg, cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim
         self.attn_norm, self.mlp_norm = nn.RMSNorm(d, eps=1e-5), nn.RMSNorm(d, eps=1e-5)
-        self.wq, self.wk, self.wv = (nn.Linear(d, h * D, bias=False) for h in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads))
-        self.wo = nn.Linear(cfg.n_heads * D, d, bias=False)
-        self.w1, self.w3 = nn.Linear(d, cfg.ffn_dim, bias=False), nn.Linear(d, cfg.ffn_dim, bias=False)  # gate, up
-        self.w2 = nn.Linear(cfg.ffn_dim, d, bias=False)
+        self.wq, self.wk, self.wv = (nn.Linear(d, h * D, bias=False) for h in (H, Hk, Hk))
+        self.wo = nn.Linear(H * D, d, bias=False)
+        self.w1, self.w3 = nn.Linear(d, f, bias=False), nn.Linear(d, f, bias=False)  # gate, up
+        self.w2 = nn.Linear(f, d, bias=False)
 
     def forward(self, x, cos, sin, b: Batch):
         T, c, h = x.shape[0], self.cfg, self.attn_norm(x)
-        q = apply_rope(self.wq(h).view(T, c.n_heads, c.head_dim), cos, sin)
-        k = apply_rope(self.wk(h).view(T, c.n_kv_heads, c.head_dim), cos, sin)
-        v = self.wv(h).view(T, c.n_kv_heads, c.head_dim)
+        q, k, v = (w(h).view(T, -1, c.head_dim) for w in (self.wq, self.wk, self.wv))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         x = x + self.wo(attend(q, k, v, b, c).reshape(T, -1).to(q.dtype))
         h = self.mlp_norm(x)
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))  # SwiGLU
 
 
 class Llama(nn.Module):
-    """Embeddings tied by default: with byte tokens the table is tiny either way, but with GPT-2's
-    50k vocabulary an untied head alone would be as large as the 25M-parameter trunk."""
+    """Embeddings tied by default: with GPT-2's 50k vocabulary an untied head alone would match the 25M trunk."""
 
     def __init__(self, cfg: Config):
         super().__init__()
-        self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.cfg, self.embed = cfg, nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = nn.RMSNorm(cfg.d_model, eps=1e-5)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.norm, self.head = nn.RMSNorm(cfg.d_model, eps=1e-5), nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
         inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim)
@@ -445,68 +381,52 @@ class Llama(nn.Module):
 
 
 def train_flops(cfg: Config, n_matmul: int, b: Batch) -> float:
-    """Model FLOPs of one step: 6 per matmul weight per real token, plus causal attention per
-    document: QK^T and PV cost 2 * 2 * H * D per visible (query, key) pair, L (L + 1) / 2 pairs in
-    a document of L tokens, x3 for forward + backward. A sum of L^2 terms, not (sum L)^2."""
-    ends = np.cumsum(b.lens)
-    pairs = sum(L * (L + 1) / 2 for L, e in zip(b.lens, ends) if e <= b.n_real)  # padding is not work
+    """Model FLOPs of one step: 6 per matmul weight per real token, plus causal attention per document: QK^T and
+    PV, 2 * 2 * H * D per visible (query, key) pair, x3 for fwd + bwd; L (L + 1) / 2 pairs per L-token document."""
+    pairs = sum(L * (L + 1) / 2 for L, e in zip(b.lens, np.cumsum(b.lens)) if e <= b.n_real)  # padding: no work
     return 6 * n_matmul * b.n_real + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * pairs
 
 
 def to_device(b: Batch, device) -> Batch:
     # ONE plan per batch, shared by every layer, fwd and bwd; built from the host offsets (no GPU sync)
     plan = flamia.flamia_plan(b.cu, device=device) if flamia.kernels_available(device) else None
-    b = b.to(device)
+    b = Batch(*(t.to(device, non_blocking=True) for t in (b.tokens, b.targets, b.cu)), b.lens, b.n_real)
     if plan is not None:  # the plan's own device copy of the offsets: calls pass it, nothing to compare
         b.cu, b.plan = plan.cu_seqlens_q, plan
     return b
 
 
 # ---------------------------------------------------------------------------------------------
-# Leak probe (MatX's method). Teacher forcing scores all positions of a document in one pass. The
-# autoregressive score of position p runs the model on the prefix [0, p] ALONE, as its own packed
-# document, and reads the prediction at its last token: nothing after p is in that document, so it
-# is causal by construction, whatever the attention does. If teacher forcing scores better, the
-# attention let the future in. Many prefixes share one packed call as separate documents.
+# Leak probe (MatX's method). Teacher forcing scores all positions of a document in one pass; the autoregressive
+# score of position p runs the model on the prefix [0, p] ALONE (causal by construction, whatever the attention
+# does; many prefixes share a packed call as separate documents). Teacher forcing scoring better = a leak.
 # ---------------------------------------------------------------------------------------------
-def packed(seqs, budget, max_len, device):
-    """Consecutive token sequences -> packed batches, each sequence its own document."""
-    i = 0
-    while i < len(seqs):
-        j, used = i, 0
-        while j < len(seqs) and used + len(seqs[j]) <= budget:
-            used, j = used + len(seqs[j]), j + 1
-        ends = np.cumsum([len(s) for s in seqs[i:j]])
-        flat = Corpus(np.concatenate(seqs[i:j]), np.r_[0, ends[:-1]], ends)
-        yield i, j, to_device(make_batch(flat, range(j - i), budget, max_len), device)
-        i = j
-
-
 @torch.no_grad()
 def leak_probe(model, cfg, val: Corpus, device, ctx):
-    """-> (teacher-forced loss, autoregressive loss, max |logit difference|) over the same
-    (position, target) pairs; losses in nats/token. Causal attention gives a logit difference of
-    ~0 (summation-order noise); a leak makes the teacher-forced predictions see the future."""
+    """-> (teacher-forced loss, autoregressive loss, max |logit difference|) over the same (position, target) pairs,
+    in nats/token. Causal attention: a logit difference of ~0 (summation order); a leak: the future is seen."""
     L, budget = min(cfg.leak_len, cfg.max_doc_len), cfg.tokens_per_batch
+
+    def packed(seqs):  # batches of these sequences, each its own document, in order (a one-document lookahead)
+        ends = np.cumsum(lens := [len(s) for s in seqs])
+        p = Packer(Corpus(np.concatenate(seqs), ends - lens, ends), budget, L, loop=False, lookahead=1)
+        return (to_device(b, device) for b in iter(p.next_batch, None))
+
     docs = [np.asarray(val.tokens[a:min(b, a + L)], np.int64) for a, b in zip(val.starts, val.ends) if b - a >= 2]
     docs = docs[:cfg.leak_docs]
     targets = torch.tensor([d[p + 1] for d in docs for p in range(len(d) - 1)], device=device)
-    tf, ar = [], []
-    for _, _, b in packed(docs, budget, L, device):  # teacher forced: whole documents in one pass
-        with ctx:  # rows with a target, in order, are the predictions of d[1], d[2], ... of each d
-            tf.append(model.head(model.hidden(b)[b.targets != -100]).float())
     prefixes = [d[:p + 1] for d in docs for p in range(len(d) - 1)]  # d[:p + 1] alone predicts d[p + 1]
-    for i, j, b in packed(prefixes, budget, L, device):
-        with ctx:  # a prefix's prediction is the logit row of its last token
-            ar.append(model.head(model.hidden(b)[b.cu[1:j - i + 1].long() - 1]).float())
-    tf, ar = torch.cat(tf), torch.cat(ar)
+    with ctx:  # teacher forced, whole documents: the rows with a target are the predictions of d[1], d[2], ...
+        tf = torch.cat([model.head(model.hidden(b)[b.targets != -100]).float() for b in packed(docs)])
+        # autoregressive: a prefix's prediction is the logit row of its last token (padding ends after n_real)
+        ar = torch.cat([model.head(model.hidden(b)[b.cu[1:][b.cu[1:] <= b.n_real].long() - 1]).float()
+                        for b in packed(prefixes)])
     return F.cross_entropy(tf, targets).item(), F.cross_entropy(ar, targets).item(), (tf - ar).abs().max().item()
 
 
 def attention_audit(cfg, device) -> list:
-    """flamia.audit_causality of this run's attention call (recipe, block_tokens, safeguard): it plants
-    outliers, so it shows whether the mechanism leaks even where a short run's model has not learnt to
-    exploit the leak (the loss gap of leak_probe needs that). [] = no leak."""
+    """flamia.audit_causality of this run's attention call: it plants outliers, so it shows a leak even where the
+    model has not learnt to exploit it (the loss gap of leak_probe needs that). [] = no leak."""
     leaky = cfg.unsafe_leaky_attention
     attn = functools.partial(flamia.flamia_attn_varlen_func, recipe=cfg.attn.partition(":")[0], safeguard=not leaky,
                              block_tokens=32 if leaky else cfg.block_tokens, rotate_qk=cfg.rotate_qk)
@@ -536,16 +456,15 @@ def evaluate(model, batches, ctx, world, device):
     return (tot[0] / tot[1].clamp(min=1)).item()
 
 
-def train(cfg: Config) -> dict:
-    """Train (one process, or one torchrun rank); returns {"train_loss", "val_loss", "final_val"[, "leak"]}."""
-    validate(cfg)
+def setup(cfg: Config):
+    """Joins torchrun's process group, if any; -> (rank, world, device, log: prints on rank 0 only)."""
     rank, world, cuda = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), torch.cuda.is_available()
     if world > 1 and not dist.is_initialized():
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if cuda else "gloo")
-    device, master = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu"), rank == 0
-    log = (lambda msg: tqdm.write(msg)) if master else (lambda msg: None)
+    device = torch.device(f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")
+    log = tqdm.write if rank == 0 else (lambda msg: None)
     log(f"torch {torch.__version__}, triton {triton.__version__}; " + (
         f"GPU: {torch.cuda.get_device_name(device)}" if cuda else "no GPU: running on the CPU (tiny config; "
         "attention through flamia's PyTorch oracle: the recipe's quantization, P unrounded)") + f"; {world} rank(s)")
@@ -554,7 +473,51 @@ def train(cfg: Config) -> dict:
     if cfg.unsafe_leaky_attention:
         log("!" * 96 + "\n!!! WARNING --unsafe_leaky_attention: mxfp8 with 32-token K/V scale blocks and NO causal "
             "safeguard.\n!!! Attention LEAKS FUTURE TOKENS through shared scales. Only for the leak demo.\n" + "!" * 96)
+    return rank, world, device, log
 
+
+def resume(path, csv_path, cfg, model, opt, packer, rank, world, device, log):
+    """Model, optimizer, data position and RNG from the checkpoint; -> (its step, the log rows up to it: no later)."""
+    if not os.path.isfile(path):
+        die(f"--resume: no checkpoint at {path}")
+    ck = torch.load(path, map_location=device, weights_only=False)
+    if any(ck["config"][f] != getattr(cfg, f) for f in MODEL_FIELDS) or len(ck["packers"]) != world:
+        die(f"--resume: {path} has another model shape or world size ({', '.join(MODEL_FIELDS)})")
+    model.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["optimizer"])
+    packer.load_state_dict(ck["packers"][rank])
+    torch.set_rng_state(ck["rng"][0].cpu())  # nothing draws random numbers after init here; dropout would
+    if device.type == "cuda" and ck["rng"][1] is not None:
+        torch.cuda.set_rng_state(ck["rng"][1].cpu())
+    log(f"resumed from {path} at step {ck['step']}")
+    if not os.path.isfile(csv_path):
+        return ck["step"], []
+    with open(csv_path) as fh:
+        return ck["step"], [r for r in csv.DictReader(fh) if int(r["step"]) <= ck["step"]]
+
+
+def save(path, step, cfg, model, opt, packer, rank, world):
+    packers = [packer.state_dict()] * world  # every rank's data position goes into rank 0's checkpoint
+    if world > 1:
+        dist.all_gather_object(packers, packer.state_dict())
+    if rank == 0:
+        rng = (torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "packers": packers,
+                    "config": asdict(cfg), "rng": rng}, path + ".tmp")
+        os.replace(path + ".tmp", path)  # atomic: a crash while saving keeps the old one
+
+
+def write_log(path, rows):  # the whole CSV, rewritten at every validation: a killed run keeps its curve
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, ["step", "train_loss", "val_loss", "lr", "tokens_per_s"])
+        w.writeheader()
+        w.writerows(rows)
+
+
+def train(cfg: Config) -> dict:
+    """Train (one process, or one torchrun rank); -> {"train_loss", "val_loss", "final_val"[, "eval_attn", ...]}."""
+    validate(cfg)
+    rank, world, device, log = setup(cfg)
     train_set, val_set, cfg.vocab_size = load_documents(cfg)
     if len(train_set) < world:
         die(f"{len(train_set)} training documents cannot be dealt to {world} ranks")
@@ -563,64 +526,27 @@ def train(cfg: Config) -> dict:
     val_batches = [to_device(b, device) for b in (val_packer.next_batch() for _ in range(cfg.eval_batches)) if b]
     log(f"data: {len(train_set)} train / {len(val_set)} val documents of <= {cfg.max_doc_len} tokens, "
         f"{int((train_set.ends - train_set.starts).sum()):,} train tokens, vocab {cfg.vocab_size}")
-
     torch.manual_seed(cfg.seed)  # the same init on every rank (DDP broadcasts rank 0's anyway)
-    model = raw = Llama(cfg).to(device)
-    n_matmul = sum(p.numel() for p in model.parameters() if p.dim() == 2)  # the tied head counts once
-    log(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, attention {cfg.attn}, "
+    raw = Llama(cfg).to(device)
+    n_matmul = sum(p.numel() for p in raw.parameters() if p.dim() == 2)  # the tied head counts once
+    log(f"model: {sum(p.numel() for p in raw.parameters()) / 1e6:.2f}M parameters, attention {cfg.attn}, "
         f"global batch {cfg.tokens_per_batch * world:,} tokens")
     # Weight decay on matmul weights only: decaying RMSNorm gains pulls them toward 0, not toward "simple".
-    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=cuda)
-
+    groups = [{"params": [p for p in raw.parameters() if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in raw.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
     os.makedirs(cfg.out_dir, exist_ok=True)
-    ckpt_path, csv_path, step, rows = os.path.join(cfg.out_dir, "ckpt.pt"), os.path.join(cfg.out_dir, "log.csv"), 0, []
-    if cfg.resume:
-        if not os.path.isfile(ckpt_path):
-            die(f"--resume: no checkpoint at {ckpt_path}")
-        ck = torch.load(ckpt_path, map_location=device, weights_only=False)
-        if [ck["config"][f] for f in MODEL_FIELDS] != [getattr(cfg, f) for f in MODEL_FIELDS] or len(ck["packers"]) != world:
-            die(f"--resume: {ckpt_path} has another model shape or world size ({', '.join(MODEL_FIELDS)})")
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        packer.load_state_dict(ck["packers"][rank])  # this rank's data position
-        torch.set_rng_state(ck["rng"][0].cpu())  # nothing draws random numbers after init here; dropout would
-        if cuda and ck["rng"][1] is not None:
-            torch.cuda.set_rng_state(ck["rng"][1].cpu())
-        step = ck["step"]
-        if os.path.isfile(csv_path):  # rows after the checkpoint are about to be redone
-            with open(csv_path) as fh:
-                rows = [r for r in csv.DictReader(fh) if int(r["step"]) <= step]
-        log(f"resumed from {ckpt_path} at step {step}")
-    if cfg.compile:
-        model = torch.compile(model)
+    ckpt_path, csv_path = os.path.join(cfg.out_dir, "ckpt.pt"), os.path.join(cfg.out_dir, "log.csv")
+    step, rows = resume(ckpt_path, csv_path, cfg, raw, opt, packer, rank, world, device, log) if cfg.resume else (0, [])
+    model = torch.compile(raw) if cfg.compile else raw
     if world > 1:
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
-    # bf16 autocast on the GPU (weights and optimizer state stay fp32); plain fp32 on the CPU
-    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
-
-    def save(step):
-        packers = [packer.state_dict()] * world  # every rank's data position goes into rank 0's checkpoint
-        if world > 1:
-            dist.all_gather_object(packers, packer.state_dict())
-        if master:
-            torch.save({"model": raw.state_dict(), "optimizer": opt.state_dict(), "step": step, "packers": packers,
-                        "config": asdict(cfg),
-                        "rng": (torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None)}, ckpt_path + ".tmp")
-            os.replace(ckpt_path + ".tmp", ckpt_path)  # atomic: a crash while saving keeps the old one
-
-    def write_log():  # the whole CSV, rewritten at every validation: a killed run keeps its curve
-        if master:
-            with open(csv_path, "w", newline="") as fh:
-                w = csv.DictWriter(fh, ["step", "train_loss", "val_loss", "lr", "tokens_per_s"])
-                w.writeheader()
-                w.writerows(rows)
+        model = nn.parallel.DistributedDataParallel(model, device_ids=None if device.index is None else [device.index])
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")  # GPU: bf16; weights fp32
 
     hist, val, stop = {"train_loss": [], "val_loss": []}, None, min(cfg.stop_at or cfg.max_steps, cfg.max_steps)
-    bar = tqdm(total=stop, initial=step, disable=not master, desc="train", mininterval=1.0)
-    while step < stop:
-        t0, lr = time.time(), lr_at(cfg, step)
+    bar = tqdm(range(step, stop), initial=step, total=stop, disable=rank != 0, desc="train", mininterval=1.0)
+    for i in bar:
+        t0, lr = time.time(), lr_at(cfg, i)
         for g in opt.param_groups:
             g["lr"] = lr
         b = to_device(packer.next_batch(), device)
@@ -635,82 +561,68 @@ def train(cfg: Config) -> dict:
         if world > 1:  # log the mean loss over ranks and the tokens of all ranks
             dist.all_reduce(stats)
             stats[0] /= world
-        (loss_v, n_tok), dt, step = stats.tolist(), time.time() - t0, step + 1  # .tolist() syncs: dt is real
+        (loss_v, n_tok), dt, step = stats.tolist(), time.time() - t0, i + 1  # .tolist() syncs: dt is real
         mfu = train_flops(cfg, n_matmul, b) / dt / (cfg.peak_tflops * 1e12) if cfg.peak_tflops else 0
         hist["train_loss"].append((step, loss_v))
         bar.set_postfix_str(f"loss {loss_v:.3f} | {n_tok / dt / 1e3:.1f}k tok/s" + (f" | MFU {mfu:.1%}" if mfu else ""))
-        bar.update(1)
         val = evaluate(raw, val_batches, ctx, world, device) if step % cfg.eval_interval == 0 or step == stop else None
-        if val is not None:
-            hist["val_loss"].append((step, val))
-            log(f"step {step}: train loss {loss_v:.4f}, val loss {val:.4f}")
         if step % cfg.log_interval == 0 or val is not None:
             rows.append({"step": step, "train_loss": f"{loss_v:.6f}", "val_loss": "" if val is None else f"{val:.6f}",
                          "lr": f"{lr:.6g}", "tokens_per_s": f"{n_tok / dt:.1f}"})
         if val is not None:
-            write_log()
+            hist["val_loss"].append((step, val))
+            log(f"step {step}: train loss {loss_v:.4f}, val loss {val:.4f}")
+            if rank == 0:
+                write_log(csv_path, rows)
         if step % cfg.ckpt_interval == 0 or step == stop:
-            save(step)
-    bar.close()
+            save(ckpt_path, step, cfg, raw, opt, packer, rank, world)
     if val is None:  # no step ran (e.g. --resume of a finished run): still report a val loss
         val = evaluate(raw, val_batches, ctx, world, device)
         hist["val_loss"].append((step, val))
     hist["final_val"] = val
+    if rank == 0:
+        write_log(csv_path, rows)
+        compare_plot([cfg.out_dir], png := os.path.join(cfg.out_dir, "loss.png"),
+                     f"Llama d{cfg.d_model} x {cfg.n_layers}, attn {cfg.attn}")
+        log(f"done: step {step}, val loss {val:.4f}; wrote {ckpt_path}, {csv_path}, {png}")
+    report(hist, cfg, raw, val_set, val_batches, ctx, rank, world, device, log)
+    return hist
+
+
+def report(hist, cfg, model, val_set, val_batches, ctx, rank, world, device, log):
+    """After training: --eval_attn and --eval_leak, into hist and the log."""
     if cfg.eval_attn:  # the same weights and val batches, another attention: its cost free of training noise
         hist["eval_attn"] = {}
         for item in filter(None, cfg.eval_attn.split(",")):  # as validate() reads the list
-            for blk in raw.blocks:
+            for blk in model.blocks:
                 blk.cfg = replace(cfg, attn=item)
-            hist["eval_attn"][item] = evaluate(raw, val_batches, ctx, world, device)
-        for blk in raw.blocks:
+            hist["eval_attn"][item] = evaluate(model, val_batches, ctx, world, device)
+        for blk in model.blocks:
             blk.cfg = cfg
         log("val loss of the trained weights with other attentions: " +
-            ", ".join(f"{k} {v:.4f} ({v / val - 1:+.2%})" for k, v in hist["eval_attn"].items()))
-    write_log()
-    if master:
-        plot(rows, os.path.join(cfg.out_dir, "loss.png"), cfg)
-        log(f"done: step {step}, val loss {val:.4f}; wrote {ckpt_path}, {csv_path}, "
-            f"{os.path.join(cfg.out_dir, 'loss.png')}")
-    if cfg.eval_leak and master:  # rank 0 alone, on the unwrapped model: a small, fixed job
+            ", ".join(f"{k} {v:.4f} ({v / hist['final_val'] - 1:+.2%})" for k, v in hist["eval_attn"].items()))
+    if cfg.eval_leak and rank == 0:  # rank 0 alone, on the unwrapped model: a small, fixed job
         unsafe = ", UNSAFE: no safeguard" if cfg.unsafe_leaky_attention else ""
         if cfg.attn != "sdpa":  # the verdict first: does this run's attention call leak?
             found = hist["audit"] = attention_audit(cfg, device)
-            log(f"attention audit ({cfg.attn}{unsafe}; outliers planted in q, k, v): "
-                + (f"LEAKS: {len(found)} probes changed earlier rows bitwise "
-                   f"({sum(f['kind'] == 'future' for f in found)} into the future, "
-                   f"{sum(f['kind'] == 'document' for f in found)} across documents)" if found else
-                   "causal: no probe changed an earlier row or another document"))
-        tf, ar, diff = hist["leak"] = leak_probe(raw, cfg, val_set, device, ctx)
+            log(f"attention audit ({cfg.attn}{unsafe}; outliers planted in q, k, v): " + (
+                f"LEAKS: {len(found)} probes changed earlier rows bitwise ({sum(f['kind'] == 'future' for f in found)} "
+                f"into the future, {sum(f['kind'] == 'document' for f in found)} across documents)" if found
+                else "causal: no probe changed an earlier row or another document"))
+        tf, ar, diff = hist["leak"] = leak_probe(model, cfg, val_set, device, ctx)
         log(f"leak probe ({cfg.attn}{unsafe}; has the model LEARNT to use a leak?): teacher-forced val loss "
             f"{tf:.6f}, autoregressive {ar:.6f}, gap {ar - tf:+.2e}, max |logit difference| {diff:.2e}. A model "
             "that reads the future scores better teacher-forced (gap > 0); a short or CPU run has not learnt "
             "to, so ~0 (below ~1e-5: summation order) says nothing about the attention: the audit does")
     if world > 1:  # every rank finishes (rank 0's probe and files too) before any tears the group down:
         dist.barrier()  # a gloo rank leaving early can abort its peer
-    return hist
 
 
-def plot(rows, path, cfg):
-    import matplotlib
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([int(r["step"]) for r in rows], [float(r["train_loss"]) for r in rows], label="train")
-    v = [r for r in rows if r["val_loss"]]
-    ax.plot([int(r["step"]) for r in v], [float(r["val_loss"]) for r in v], "o-", label="val")
-    ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"Llama d{cfg.d_model} x {cfg.n_layers}, attn {cfg.attn}")
-    ax.legend()
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-
-
-def compare_plot(out_dirs, path="train_compare.png"):
-    """Loss curves of several runs on one plot, from their log.csv (e.g. one per --attn recipe):
-    python -c "import train_llama as t; t.compare_plot(['out_bf16', 'out_mxfp8'])" """
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (tr, va) = plt.subplots(1, 2, figsize=(11, 4))
+def compare_plot(out_dirs, path="train_compare.png", title=""):
+    """Train (log scale) and validation loss curves from the log.csv of each run in out_dirs: one run (its
+    loss.png) or several, e.g. one per --attn: python -c "import train_llama as t; t.compare_plot(['a', 'b'])" """
+    from matplotlib.figure import Figure  # no pyplot: files only, no display or GUI backend
+    tr, va = (fig := Figure(figsize=(11, 4))).subplots(1, 2)
     for d in out_dirs:
         with open(os.path.join(d, "log.csv")) as fh:
             rows = list(csv.DictReader(fh))
@@ -722,8 +634,8 @@ def compare_plot(out_dirs, path="train_compare.png"):
     tr.set(xlabel="step", ylabel="train loss (nats/token)", yscale="log")
     va.set(xlabel="step", ylabel="validation loss (nats/token)")
     va.legend()
+    fig.suptitle(title)
     fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
 
 
 def main(argv=None):
