@@ -549,6 +549,48 @@ def bench_tune(args):
     return rows
 
 
+def bench_breakdown(args):
+    """Each launch of FLAMIA's forward and backward timed alone (ms), mxfp8 beside bf16: what the call
+    time is made of. Default workloads: the quick three and the trainer's shape (--workloads picks)."""
+    rows = []
+    for name, lens, H, HK, D in workloads(False):
+        if not (selected(name, args.workloads) if args.workloads else
+                name in ("1doc-16k", "2kdocs-16k", "lognormal-16k") or name.startswith("train_llama")):
+            continue
+        T, scale, flops = sum(lens), D ** -0.5, fwd_flops(lens, H, D)
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        plan = flamia.flamia_plan(cu)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(T, h, D, device="cuda", generator=g, dtype=torch.bfloat16) for h in (H, HK, HK, H))
+        row = dict(workload=name)
+        for recipe in ("mxfp8", "bf16"):
+            r, var = flamia._RECIPES[recipe], flamia.variant(q, recipe, 1, plan)
+            quantize = lambda: flamia._quantize_operands(q, k, v, plan, r, 1, var.copies, var.quantize_q)
+            ops = quantize()
+            fwd = lambda: flamia._attn_forward(q, k, v, ops, plan, var, causal=True, softmax_scale=scale,
+                                               block_tokens=1)
+            o, lse = fwd()
+            call = lambda: flamia.flamia_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), recipe=recipe,
+                                                          plan=plan)
+            row.update({f"{recipe} forward call": do_bench(call), f"{recipe} forward kernel": do_bench(fwd),
+                        f"{recipe} backward (all of it)": do_bench(lambda: flamia._attn_backward(
+                            do, q, k, v, o, lse, ops, plan, var, causal=True, softmax_scale=scale,
+                            block_tokens=1))})
+            if r.quantized:
+                x8 = flamia.MXFP8(ops.q, ops.q_exp)
+                row.update({"mxfp8 quantizer (the forward's launch)": do_bench(quantize),
+                            "mxfp8 Q dequantization (backward)": do_bench(
+                                lambda: flamia._dequantize(x8, q.dtype, plan, "q"))})
+        delta = torch.empty(H, T, device="cuda")
+        row["Delta = rowsum(dO O) (backward)"] = do_bench(lambda: flamia._delta_kernel[(triton.cdiv(T, 64), H)](
+            o, do, delta, T, H, D=D, BLOCK_T=64))
+        row["fwd TFLOP/s (mxfp8 call, bf16 call)"] = [flops / row[f"{r} forward call"] / 1e9 for r in ("mxfp8", "bf16")]
+        rows.append(row)
+        print(f"{name}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v[0]:.0f} / {v[1]:.0f}"
+                                      for k, v in row.items() if k != "workload"), flush=True)
+    return rows
+
+
 def per_tensor_fp8(x):
     """TransformerEngine-style "current" scaling: ONE scale from the whole tensor's amax (leaky)."""
     scale = 448.0 / x.float().abs().amax().clamp(min=1e-12)
@@ -903,6 +945,7 @@ def main():
     ap.add_argument("--accuracy", action="store_true", help="error vs fp64 per recipe and block_tokens")
     ap.add_argument("--audit", action="store_true", help="causality audit of every attention on this machine")
     ap.add_argument("--tune", action="store_true", help="sweep kernel tile configurations")
+    ap.add_argument("--breakdown", action="store_true", help="each launch of the forward and backward timed alone")
     ap.add_argument("--block-tokens", action="store_true", help="mxfp8 speed per block_tokens")
     ap.add_argument("--naive-plan", action="store_true", help="also run FLAMIA with tiles in document order")
     ap.add_argument("--sm100", action="store_true", help="no GPU needed: compile every kernel for Blackwell "
@@ -918,7 +961,7 @@ def main():
                     "(the median is reported; with an even count, the slower middle value)")
     ap.add_argument("--out", default="out", help="directory for JSON and PNG")
     args = ap.parse_args()
-    modes = ("quant", "accuracy", "tune", "audit", "block_tokens", "sm100", "sm90")
+    modes = ("quant", "accuracy", "tune", "breakdown", "audit", "block_tokens", "sm100", "sm90")
     mode = next((m for m in modes if getattr(args, m)), "attention")
     offline = mode in ("sm100", "sm90")
     if not offline and not torch.cuda.is_available():
@@ -929,7 +972,8 @@ def main():
                 **peer_versions())
     print(json.dumps(meta))
     args.meta, args.json_path = meta, os.path.join(args.out, f"bench_{mode}.json")
-    rows = {"quant": bench_quant, "accuracy": bench_accuracy, "tune": bench_tune, "audit": bench_audit,
+    rows = {"quant": bench_quant, "accuracy": bench_accuracy, "tune": bench_tune, "breakdown": bench_breakdown,
+            "audit": bench_audit,
             "block_tokens": bench_block_tokens, "sm100": bench_sm100, "sm90": bench_sm90,
             "attention": bench_attention}[mode](args)
     save_json(args, rows)
