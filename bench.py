@@ -581,9 +581,7 @@ def bench_breakdown(args):
                 row.update({"mxfp8 quantizer (the forward's launch)": do_bench(quantize),
                             "mxfp8 Q dequantization (backward)": do_bench(
                                 lambda: flamia._dequantize(x8, q.dtype, plan, "q"))})
-        delta = torch.empty(H, T, device="cuda")
-        row["Delta = rowsum(dO O) (backward)"] = do_bench(lambda: flamia._delta_kernel[(triton.cdiv(T, 64), H)](
-            o, do, delta, T, H, D=D, BLOCK_T=64))
+        row["Delta = rowsum(dO O) (backward)"] = do_bench(lambda: flamia._delta(o, do))
         row["fwd TFLOP/s (mxfp8 call, bf16 call)"] = [flops / row[f"{r} forward call"] / 1e9 for r in ("mxfp8", "bf16")]
         rows.append(row)
         print(f"{name}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v[0]:.0f} / {v[1]:.0f}"

@@ -1561,6 +1561,14 @@ def _scale_cast(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tens
     return y
 
 
+def _delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    """Delta = rowsum(dO * O) = rowsum(P * dP), (H, T) fp32: the backward's first pass."""
+    (T, H, D), delta = o.shape, torch.empty(o.shape[1], o.shape[0], dtype=torch.float32, device=o.device)
+    if T > 0:
+        _delta_kernel[(triton.cdiv(T, 64), H)](o, do, delta, T, H, D=D, BLOCK_T=64)
+    return delta
+
+
 def _dequantize(x: MXFP8, dtype: torch.dtype, plan: Plan, side: str) -> torch.Tensor:
     """The Triton twin of MXFP8.dequantize(), into bf16 / fp16 for the backward's MMAs."""
     H, t_pad = x.exp.shape
@@ -1770,9 +1778,7 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
     """dq, dk, dv from the forward's quantized operands `ops` (unused for bf16)."""
     (Tq, H, D), (Tk, HK) = q.shape, k.shape[:2]
     r, do, dtype, tile_safeguard = var.recipe, do.contiguous(), q.dtype, var.modes[1] == "tile"
-    delta = torch.empty(H, Tq, dtype=torch.float32, device=o.device)  # rowsum(P * dP) = dO . O
-    if Tq > 0:
-        _delta_kernel[(triton.cdiv(Tq, 64), H)](o, do, delta, Tq, H, D=D, BLOCK_T=64)
+    delta = _delta(o, do)
     k_scale = ops.k_exp if r.k_fp4 else delta  # FP4 K's second level; unused unless K_SCALED
     deq = lambda side, *mxfp8: _dequantize(MXFP8(*mxfp8), dtype, plan, side)
     # the Gluon backward dequantizes MXFP8 K, V itself: no copies (except beside the tile safeguard's)
