@@ -3,7 +3,7 @@ flamia_hopper: FlashAttention-3-style Gluon kernels for Hopper (sm_90, triton 3.
 functions of flamia.py's forward and backward for recipe="mxfp8" (block_tokens 1, and 128 with the
 per-tile safeguard) and recipe="bf16". flamia.py imports it when it is present and uses it for
 backend="gluon" (and by default where it measured faster). Tested on the H200 by test_flamia.py's
-GPU tests: oracle agreement, audit_causality, determinism, bitwise copies of flamia's rules.
+GPU tests: oracle agreement, audit_causality, determinism.
 
 THE FORWARD
 The schedule (persistent: one CTA per SM walks work items = (query tile of 128 rows, head))
@@ -95,6 +95,12 @@ from triton.language.core import _aggregate as aggregate  # 3.6's (private) name
 from triton.experimental.gluon.language._core import builtin
 from triton._C.libtriton import ir
 
+# The rules live in flamia.py once: a tile's key range with the causal safeguard (_key_range), the
+# backward's query range (_query_range), the tile table's columns and E8M0's 2^e (_exp2_int). Gluon
+# kernels call those @triton.jit functions (scalars, or elementwise on any layout); flamia.py imports
+# this file mid-way, so they are looked up on the module when a kernel compiles.
+import flamia
+
 
 # flamia.py checks this: the exponent rows are read in its padded token layout (H, T_padded).
 PADDED_EXPONENTS = True
@@ -113,8 +119,6 @@ def unavailable_reason():
     return None
 
 
-# The tile table's columns (flamia.py section 2) are read by index in the kernel:
-# 0 TILE_START, 1 TILE_END, 2 OWN_START, 3 OWN_END, 4 OTHER_START, 5 OTHER_END, 6 OTHER_PAD, 7 OWN_PAD
 
 # ------------------------------------------------------------------------------------------------
 # layouts
@@ -124,11 +128,6 @@ def _mma_layout(dtype, N):
     # one warpgroup (4 warps) x 64 rows; K of the instruction: 32 bytes
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                      instr_shape=[16, N, 256 // dtype.primitive_bitwidth])
-
-@gluon.jit
-def _exp2_int(e):
-    """2^(e - 127) for int32 e in [1, 254], from the bits (exact, no MUFU)."""
-    return (e << 23).to(gl.float32, bitcast=True)
 
 @gluon.jit
 def _row_reduce(x, SUM: gl.constexpr):
@@ -230,7 +229,7 @@ def _stage_scales(EK, EV, EKS, EVS, sk_slot, ev_slot, n0, kd_end, per_token,
     else:
         ek = gl.load(EK + offs, mask=km, other=127)
         ev = gl.load(EV + offs, mask=km, other=1)
-    sk_slot.store(_exp2_int(ek.to(gl.int32)))
+    sk_slot.store(flamia._exp2_int(ek.to(gl.int32)))
     ev_slot.store(ev.to(gl.int32) - 127)
 
 @gluon.jit
@@ -266,29 +265,19 @@ def _work_item(TILES, item, H, HK, BLOCK_N: gl.constexpr, BLOCK_TOKENS: gl.const
     n_unmasked of which every row sees in full."""
     h = item % H
     row = TILES + (item // H) * 8
-    q_start = gl.load(row + 0)
-    q_end = gl.load(row + 1)
-    qd_start = gl.load(row + 2)
-    qd_end = gl.load(row + 3)
-    kd_start = gl.load(row + 4)
-    kd_end = gl.load(row + 5)
-    v_base = gl.load(row + 6) if QUANT else kd_start
-    own_pad = gl.load(row + 7)
+    q_start = gl.load(row + flamia.TILE_START)
+    q_end = gl.load(row + flamia.TILE_END)
+    qd_start = gl.load(row + flamia.OWN_START)
+    qd_end = gl.load(row + flamia.OWN_END)
+    kd_start = gl.load(row + flamia.OTHER_START)
+    kd_end = gl.load(row + flamia.OTHER_END)
+    v_base = gl.load(row + flamia.OTHER_PAD) if QUANT else kd_start
+    own_pad = gl.load(row + flamia.OWN_PAD)
     shift = (kd_end - kd_start) - (qd_end - qd_start)
-    kd_len = kd_end - kd_start
-    # flamia's _key_range for 128-row query tiles and BLOCK_N-key tiles
-    if CAUSAL:
-        first = q_start - qd_start + shift
-        n_full = gl.maximum(first + 1, 0) // BLOCK_N * BLOCK_N
-        if TILE_SAFEGUARD:
-            n_full = gl.minimum(n_full, gl.maximum(first, 0) // BLOCK_TOKENS * BLOCK_TOKENS
-                                // BLOCK_N * BLOCK_N)
-        hi = gl.minimum(kd_len, q_end - qd_start + shift)
-    else:
-        n_full = kd_len // BLOCK_N * BLOCK_N
-        hi = kd_len
+    n_full, n_end = flamia._key_range(q_start - qd_start + shift, q_end - qd_start + shift,
+                                      kd_end - kd_start, BLOCK_N, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)
     return (h, h // (H // HK), q_start, q_end, qd_start, kd_start, kd_end, v_base, own_pad, shift,
-            (hi + BLOCK_N - 1) // BLOCK_N, n_full // BLOCK_N)
+            (n_end + BLOCK_N - 1) // BLOCK_N, n_full // BLOCK_N)
 
 # ------------------------------------------------------------------------------------------------
 # loader partition (1 warp): TMA into the ring
@@ -359,7 +348,7 @@ def _softmax(s, m_i, l_i, ref_i, qscale, rows, offs_n, SK, EVR, ek1, ev1, kd_sta
     long documents and GQA); on the other tiles trees measured slower (per-token scales: that step
     spills more; bf16), and gl.max/gl.sum stay."""
     if ONE_SCALE:
-        qs = qscale * _exp2_int(ek1)
+        qs = qscale * flamia._exp2_int(ek1)
         m_new = gl.maximum(m_i, _row_reduce(s, False) * qs)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
         ref_new = gl.maximum(ref_i, ev1)
@@ -369,8 +358,8 @@ def _softmax(s, m_i, l_i, ref_i, qscale, rows, offs_n, SK, EVR, ek1, ev1, kd_sta
         p = gl.exp2(s * gl.expand_dims(qs, 1)
                     - gl.expand_dims(m_use + (ref_new - 8 - ev_floor).to(gl.float32), 1))
         l_i = (l_i * gl.exp2(m_i - m_use)
-               + _row_reduce(p, True) * _exp2_int(127 - ev_floor)
-               * _exp2_int(ref_new + 119))
+               + _row_reduce(p, True) * flamia._exp2_int(127 - ev_floor)
+               * flamia._exp2_int(ref_new + 119))
         alpha = gl.exp2((m_i - m_use) + (ref_i - ref_new).to(gl.float32))
         return p, alpha, m_new, l_i, ref_new
     kmask = offs_n < kd_end
@@ -394,9 +383,9 @@ def _softmax(s, m_i, l_i, ref_i, qscale, rows, offs_n, SK, EVR, ek1, ev1, kd_sta
             ref_new = gl.maximum(ref_i, gl.max(ev, 0))
         p_r = gl.exp2(s * gl.expand_dims(qscale, 1)
                       - gl.expand_dims(m_use + (ref_new - 8).to(gl.float32), 1))
-        l_i = l_i * gl.exp2(m_i - m_use) + gl.sum(p_r, 1) * _exp2_int(ref_new + 119)  # 2^(ref - 8)
+        l_i = l_i * gl.exp2(m_i - m_use) + gl.sum(p_r, 1) * flamia._exp2_int(ref_new + 119)  # 2^(ref - 8)
         alpha = gl.exp2((m_i - m_use) + (ref_i - ref_new).to(gl.float32))  # one exp2: max and ref
-        p = p_r * gl.expand_dims(_exp2_int(ev + 127), 0)
+        p = p_r * gl.expand_dims(flamia._exp2_int(ev + 127), 0)
     else:
         ref_new = ref_i
         p = gl.exp2(s * gl.expand_dims(qscale, 1) - gl.expand_dims(m_use, 1))
@@ -492,7 +481,7 @@ def _consumer(ring, EQ, EK, EV, O, LSE, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPA
         EVd = EV + hk * T_KPAD + v_base
         if QUANT:
             eq = gl.load(EQ + h * T_QPAD + (own_pad - qd_start) + rows, mask=qmask, other=127)
-            qscale = _exp2_int(eq.to(gl.int32)) * sm_scale_log2
+            qscale = flamia._exp2_int(eq.to(gl.int32)) * sm_scale_log2
         else:
             qscale = gl.full([64], 1.0, gl.float32, row_l) * sm_scale_log2
         m_i = gl.full([64], float("-inf"), gl.float32, row_l)
@@ -530,7 +519,7 @@ def _consumer(ring, EQ, EK, EV, O, LSE, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPA
         # epilogue: O = acc / l (back from units of 2^(ref - 8)), LSE in natural log. The loader
         # is already fetching the next item's Q, K and V meanwhile.
         if QUANT:
-            acc = acc * gl.expand_dims(gl.convert_layout(_exp2_int(ref_i + 119), orow_l), 1)
+            acc = acc * gl.expand_dims(gl.convert_layout(flamia._exp2_int(ref_i + 119), orow_l), 1)
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)
         o = acc / gl.expand_dims(gl.convert_layout(l_safe, orow_l), 1)
         m_use = gl.where(m_i == float("-inf"), 0.0, m_i)
@@ -763,23 +752,15 @@ def _key_tile(TILES, BLOCK_M: gl.constexpr, BLOCK_TOKENS: gl.constexpr, CAUSAL: 
     query range for it (_attn_bwd_dkdv's q_lo, q_mid: query tiles [q_lo, q_mid) are masked, and
     with the safeguard use the per-token copies; rows are document-local)."""
     row = TILES + gl.program_id(0) * 8
-    k_start = gl.load(row + 0)
-    k_end = gl.load(row + 1)
-    kd_start = gl.load(row + 2)
-    kd_end = gl.load(row + 3)
-    qd_start = gl.load(row + 4)
-    q_len = gl.load(row + 5) - qd_start
+    k_start = gl.load(row + flamia.TILE_START)
+    k_end = gl.load(row + flamia.TILE_END)
+    kd_start = gl.load(row + flamia.OWN_START)
+    kd_end = gl.load(row + flamia.OWN_END)
+    qd_start = gl.load(row + flamia.OTHER_START)
+    q_len = gl.load(row + flamia.OTHER_END) - qd_start
     shift = (kd_end - kd_start) - q_len
-    if CAUSAL:
-        q_lo = gl.maximum(k_start - kd_start - shift, 0) // BLOCK_M * BLOCK_M
-        thr = k_end - kd_start - 1
-        if TILE_SAFEGUARD:  # flamia's _first_safe_query
-            thr = (k_end - kd_start + BLOCK_TOKENS - 1) // BLOCK_TOKENS * BLOCK_TOKENS
-        q_mid = gl.minimum((gl.maximum(thr - shift, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, q_len)
-        q_mid = gl.maximum(q_mid, q_lo)
-    else:
-        q_lo = 0
-        q_mid = 0
+    q_lo, q_mid = flamia._query_range(k_start - kd_start, k_end - kd_start, q_len, shift, BLOCK_M,
+                                      BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)
     return k_start, k_end, kd_start, kd_end, qd_start, q_len, shift, q_lo, q_mid
 
 @gluon.jit
@@ -860,7 +841,7 @@ def _dequantize_keys(K8, V8T, EK, EV, k_dst, v_dst, k0, k_end, p0, hk, HK, T_KPA
 def _times_exp2(x, e, ok):
     """E4M3 rows x times 2^(e - 127) per row, in bf16 (exact); zeros in rows not ok (keys past the
     tile: never bytes the quantizer left unwritten, where a NaN times P = 0 would be NaN)."""
-    y = x.to(gl.float32) * gl.expand_dims(_exp2_int(e.to(gl.int32)), 1)
+    y = x.to(gl.float32) * gl.expand_dims(flamia._exp2_int(e.to(gl.int32)), 1)
     return gl.where(gl.expand_dims(ok, 1), y, 0.0).to(gl.bfloat16)
 
 @gluon.jit

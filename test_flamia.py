@@ -2032,8 +2032,7 @@ def test_gluon_is_the_hopper_default_where_fastest():
 @triton.jit
 def _key_range_of_tiles(TILES, OUT, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
                         CAUSAL: tl.constexpr, SAFEGUARD: tl.constexpr):
-    """flamia's rule, as the tl forward applies it to query tile program_id(0): (key tiles, key
-    tiles every row sees in full)."""
+    """flamia's key range of query tile program_id(0), as the tl and Gluon forwards compute it."""
     row = TILES + tl.program_id(0) * 8
     q_start, q_end = tl.load(row + 0), tl.load(row + 1)
     qd_start, qd_end = tl.load(row + 2), tl.load(row + 3)
@@ -2041,41 +2040,14 @@ def _key_range_of_tiles(TILES, OUT, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.cons
     shift = k_len - (qd_end - qd_start)
     n_full, n_end = flamia._key_range(q_start - qd_start + shift, q_end - qd_start + shift, k_len,
                                       BLOCK_N, BLOCK_TOKENS, CAUSAL, SAFEGUARD)
-    tl.store(OUT + tl.program_id(0) * 2, (n_end + BLOCK_N - 1) // BLOCK_N)
-    tl.store(OUT + tl.program_id(0) * 2 + 1, n_full // BLOCK_N)
-
-
-if flamia.flamia_hopper is not None:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-
-    @gluon.jit
-    def _gluon_key_range_of_tiles(TILES, OUT, BLOCK_N: gl.constexpr, BLOCK_TOKENS: gl.constexpr,
-                                  CAUSAL: gl.constexpr, SAFEGUARD: gl.constexpr):
-        """flamia_hopper's copy of the rule (_work_item), for query tile program_id(0), head 0."""
-        res = flamia.flamia_hopper._work_item(TILES, gl.program_id(0), 1, 1, BLOCK_N, BLOCK_TOKENS,
-                                              CAUSAL, SAFEGUARD, True)
-        gl.store(OUT + gl.program_id(0) * 2, res[10])
-        gl.store(OUT + gl.program_id(0) * 2 + 1, res[11])
-
-    @gluon.jit
-    def _gluon_query_range_of_tiles(TILES, OUT, BLOCK_M: gl.constexpr, BLOCK_TOKENS: gl.constexpr,
-                                    CAUSAL: gl.constexpr, SAFEGUARD: gl.constexpr):
-        """flamia_hopper's copy (_key_tile, the Gluon backward's)."""
-        res = flamia.flamia_hopper._key_tile(TILES, BLOCK_M, BLOCK_TOKENS, CAUSAL, SAFEGUARD)
-        gl.store(OUT + gl.program_id(0) * 2, res[7])
-        gl.store(OUT + gl.program_id(0) * 2 + 1, res[8])
-
-    @gluon.jit
-    def _gluon_exp2_int(E, OUT, N: gl.constexpr):
-        offs = gl.arange(0, N, layout=gl.BlockedLayout([N // 32], [32], [1], [0]))
-        gl.store(OUT + offs, flamia.flamia_hopper._exp2_int(gl.load(E + offs)))
+    tl.store(OUT + tl.program_id(0) * 2, n_full)
+    tl.store(OUT + tl.program_id(0) * 2 + 1, n_end)
 
 
 @triton.jit
 def _query_range_of_tiles(TILES, OUT, BLOCK_M: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
                           CAUSAL: tl.constexpr, SAFEGUARD: tl.constexpr):
-    """flamia's query range of key tile program_id(0), as the tl dK/dV kernel computes it."""
+    """flamia's query range of key tile program_id(0), as the tl and Gluon dK/dV kernels compute it."""
     row = TILES + tl.program_id(0) * 8
     k_start, k_end = tl.load(row + 0), tl.load(row + 1)
     kd_start, kd_end = tl.load(row + 2), tl.load(row + 3)
@@ -2087,46 +2059,49 @@ def _query_range_of_tiles(TILES, OUT, BLOCK_M: tl.constexpr, BLOCK_TOKENS: tl.co
     tl.store(OUT + tl.program_id(0) * 2 + 1, q_mid)
 
 
-@triton.jit
-def _exp2_int_of(E, OUT, N: tl.constexpr):
-    offs = tl.arange(0, N)
-    tl.store(OUT + offs, flamia._exp2_int(tl.load(E + offs)))
-
-
-@needs_gluon
-def test_gluon_copies_of_the_rules_are_bitwise_flamias():
-    """Gluon cannot call tl functions, so flamia_hopper.py keeps copies of flamia's key range with
-    the causal safeguard (the forward's _work_item), of its query range (the backward's _key_tile)
-    and of _exp2_int. They must be the same functions: over query and key tiles of packed documents
-    (self-attention and bottom-right-aligned cross-attention with shifts that are and are not
-    multiples of B_t), every block_tokens, two tile widths each, causal or not, safeguard on or
-    off, and every E8M0 exponent, bitwise."""
-    cases = [((700, 33, 1, 290, 129, 0, 512), None), ((100, 300, 257), (150, 428, 257)),
-             ((5, 128, 200), (133, 256, 456))]
-    checked, fh = 0, flamia.flamia_hopper
-    for lens_q, lens_k in cases:
+def test_tile_ranges_are_the_brute_force_ones():
+    """The one rule every kernel reads its tile ranges from (the tl and Gluon forward: _key_range; the
+    tl and Gluon dK/dV: _query_range), against brute force over every (row, key) pair of each tile of
+    packed documents (self-attention, and bottom-right-aligned cross-attention with shifts that are
+    and are not multiples of B_t), every block_tokens, two tile widths, causal or not, the safeguard
+    on or off. Key tiles [0, n_full) hold only pairs every row sees that never straddle, and n_full
+    is the last tile boundary before the first other key; n_end bounds every visible key. Query
+    tiles from q_lo are the first to see a key of the tile; rows from q_mid see all of them safely."""
+    checked = 0
+    for lens_q, lens_k in (((700, 33, 1, 290, 129, 0, 512), None), ((100, 300, 257), (150, 428, 257)),
+                           ((5, 128, 200), (133, 256, 456))):
         plan = flamia.Plan(cu_of(lens_q), cu_of(lens_k) if lens_k else None)
-        for causal in (True, False):  # the forward's query tiles, the backward's key tiles
-            for side, rows, rule, copy, widths in (
-                    ("q", fh.BLOCK_M, _key_range_of_tiles, _gluon_key_range_of_tiles, (64, 128)),
-                    ("k", fh.BWD_BLOCK_N, _query_range_of_tiles, _gluon_query_range_of_tiles,
-                     (32, 64))):
+        for causal, bt, sg in itertools.product((True, False), (1, 32, 128, 256), (True, False)):
+            for side, rows, kernel, widths in (("q", 128, _key_range_of_tiles, (64, 128)),
+                                               ("k", 64, _query_range_of_tiles, (32, 64))):
                 tiles = plan.tiles(rows, side, causal)
-                n = tiles.shape[0]
-                for w, bt, sg in itertools.product(widths, (1, 32, 64, 128, 256), (True, False)):
-                    want = torch.full((n, 2), -1, dtype=torch.int32, device=DEVICE)
-                    got = want.clone()
-                    rule[(n,)](tiles, want, w, bt, causal, sg)
-                    copy[(n,)](tiles, got, w, bt, causal, sg, num_warps=1)
-                    assert torch.equal(got, want), (side, lens_q, lens_k, causal, w, bt, sg)
-                    checked += n
+                for w in widths:
+                    got = torch.full((tiles.shape[0], 2), -1, dtype=torch.int32, device=DEVICE)
+                    kernel[(tiles.shape[0],)](tiles, got, w, bt, causal, sg)
+                    for t, (start, end, own, own_end, other, other_end) in enumerate(tiles[:, :6].tolist()):
+                        q_len, k_len = (own_end - own, other_end - other)[::1 if side == "q" else -1]
+                        shift = k_len - q_len
+                        keys = torch.arange(k_len + 1)
+                        if side == "q":  # a query tile: its rows' positions on the key axis
+                            pos = torch.arange(start - own, end - own)[:, None] + shift
+                            seen = (keys < k_len) & ((keys <= pos) | (not causal))
+                            safe = seen & ~(sg & causal & flamia.straddles(pos, keys, bt))
+                            first_bad = int((~safe.all(0)).nonzero()[0])  # keys[k_len] is never seen
+                            last_seen = int(seen.any(0).nonzero().max()) + 1 if seen.any() else 0
+                            assert got[t].tolist() == [first_bad // w * w, last_seen], (side, t, causal, bt, sg, w)
+                        else:  # a key tile: the document's query rows that see it
+                            pos = torch.arange(q_len)[:, None] + shift
+                            tile_keys = torch.arange(start - own, end - own)[None, :]
+                            seen = (tile_keys <= pos) | (not causal)
+                            safe = seen & ~(sg & causal & flamia.straddles(pos, tile_keys, bt))
+                            rows_seeing = seen.any(1).nonzero()
+                            q_lo = int(rows_seeing[0]) // w * w if causal and len(rows_seeing) else 0
+                            unsafe = (~safe.all(1)).nonzero()
+                            first_good = int(unsafe.max()) + 1 if len(unsafe) else 0
+                            q_mid = max(min(-(-first_good // w) * w, q_len), q_lo) if causal else 0
+                            assert got[t].tolist() == [q_lo, q_mid], (side, t, causal, bt, sg, w)
+                        checked += 1
     assert checked > 500
-    e = torch.arange(1, 257, dtype=torch.int32, device=DEVICE).clamp(max=254)
-    want, got = torch.empty(256, device=DEVICE), torch.empty(256, device=DEVICE)
-    _exp2_int_of[(1,)](e, want, 256)
-    _gluon_exp2_int[(1,)](e, got, 256, num_warps=1)
-    assert_bitwise(got, want, "_exp2_int")
-    assert torch.equal(want, torch.exp2(e.double() - 127).float())
 
 
 GLUON_BWD_CASES = [  # recipe, block_tokens, causal, (H, HK), layout, head_dim
