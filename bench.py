@@ -824,9 +824,11 @@ SM90_CONFIGS = [f"{recipe}-bt{bt}-D{D}" for D in (128, 64) for recipe, bt in (("
 
 
 def sm90_launches(config, T=512, H=4, HK=2):
-    """[(kernel, args, kwargs)] of the Gluon launches flamia makes for a causal T-token document, GQA
-    H/HK: flamia's own launch code on CPU tensors, kernel launches recorded instead of run, only the
-    GPU checks bypassed (the Gluon TensorDescriptor takes CPU tensors)."""
+    """[(kernel, args, kwargs)] of the launches flamia makes for a causal T-token document, GQA H/HK:
+    the Gluon kernels (backend="gluon"), then the tl kernels (backend="tl", deterministic: the forward
+    an H100 runs by default where Gluon's does not serve, and the tl backward). flamia's own launch
+    code on CPU tensors, kernel launches recorded instead of run, only the GPU checks bypassed (the
+    Gluon TensorDescriptor takes CPU tensors)."""
     from triton.experimental.gluon._runtime import GluonJITFunction
     from triton.runtime.jit import JITFunction
     recipe, bt, D = config.split("-")
@@ -840,16 +842,17 @@ def sm90_launches(config, T=512, H=4, HK=2):
         q, do = (torch.randn(T, H, D, dtype=torch.bfloat16) for _ in range(2))
         k, v = (torch.randn(T, HK, D, dtype=torch.bfloat16) for _ in range(2))
         plan = flamia.Plan(torch.tensor([0, T], dtype=torch.int32))
-        var = flamia.variant(q, recipe, bt, plan, True, True, "gluon")
-        if var.refusal or var.backend != "gluon" or var.bwd != "gluon":
-            raise RuntimeError(f"{config}: variant() did not pick the Gluon kernels: {var.refusal or var}")
-        ops = flamia._quantize_operands(q, k, v, plan, var.recipe, bt, var.copies)
-        kw = dict(causal=True, softmax_scale=D ** -0.5, block_tokens=bt)
-        o, lse = flamia._attn_forward(q, k, v, ops, plan, var, **kw)
-        flamia._attn_backward(do, q, k, v, o, lse, ops, plan, var, **kw)
+        for backend, deterministic in (("gluon", False), ("tl", True)):
+            var = flamia.variant(q, recipe, bt, plan, True, True, backend, deterministic)
+            if var.refusal or var.backend != backend or var.bwd != backend:
+                raise RuntimeError(f"{config}: variant() did not pick the {backend} kernels: {var.refusal or var}")
+            ops = flamia._quantize_operands(q, k, v, plan, var.recipe, bt, var.copies, var.quantize_q)
+            kw = dict(causal=True, softmax_scale=D ** -0.5, block_tokens=bt)
+            o, lse = flamia._attn_forward(q, k, v, ops, plan, var, **kw)
+            flamia._attn_backward(do, q, k, v, o, lse, ops, plan, var, **kw)
     finally:
         JITFunction.run, flamia.gluon_unavailable_reason, flamia.flamia_hopper._sm_count = saved
-    return [c for c in calls if isinstance(c[0], GluonJITFunction)]
+    return [c for c in calls if isinstance(c[0], GluonJITFunction) or c[0].__name__.startswith("_attn")]
 
 
 def sm90_facts(ck):
@@ -877,7 +880,8 @@ def sm90_facts(ck):
 
 
 def bench_sm90(args):
-    """Compile every Gluon kernel configuration for sm_90a and tabulate what it executes."""
+    """Compile every Gluon kernel configuration, and the tl kernels beside it, for sm_90a with the
+    GPU's triton 3.6, and tabulate what each executes."""
     if not triton.__version__.startswith("3.6"):
         raise SystemExit(f"--sm90 needs triton 3.6 (flamia_hopper.py's Gluon API), found {triton.__version__}: "
                          "pip install --no-deps --target DIR triton==3.6.0, then PYTHONPATH=DIR")

@@ -32,6 +32,7 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.core import _aggregate  # triton.language's named records (3.6: private name)
 
 # ---------------------------------------------------------------------------------------------
 # 1. Formats
@@ -247,6 +248,87 @@ def _check_cu_seqlens(cu, name: str) -> None:
 # matching one on the other side; *_PAD are their starts in the token-transposed (16-aligned) layouts.
 TILE_START, TILE_END, OWN_START, OWN_END, OTHER_START, OTHER_END, OTHER_PAD, OWN_PAD = (
     tl.constexpr(i) for i in range(8))
+
+
+# A kernel reads its tile's row once, into a TileRow (FA4's BlockInfo), and takes the key tiles it visits
+# (query tiles) or the query tiles (key tiles) from _key_range / _query_range: the one place where the
+# causal mask and the safeguard decide which tiles are visited and which take the masked path. Every
+# kernel calls them: the tl and Gluon forwards, dQ, dK/dV (Gluon compiles these scalar functions too).
+def record(cls):
+    """A Triton aggregate (values that kernels pass around as one) built from its fields in order;
+    triton 3.6 needs the __init__ that later versions write themselves."""
+    names = tuple(cls.__annotations__)
+
+    def __init__(self, *values):
+        for name, value in zip(names, values):
+            setattr(self, name, value)
+    cls.__init__ = triton.constexpr_function(__init__)
+    return _aggregate(cls)
+
+
+@record
+class TileRow:
+    row: tl.tensor  # the table row (its *_PAD columns are read where they are needed)
+    start: tl.tensor  # the tile's tokens [start, end), packed
+    end: tl.tensor
+    doc_start: tl.tensor  # its document's first token ("own")
+    other_start: tl.tensor  # the first token of the matching document on the other side
+    q_len: tl.tensor  # the query document's length ...
+    k_len: tl.tensor  # ... and the key document's
+    shift: tl.tensor  # k_len - q_len: query row i sits at key position i + shift (0: self-attention)
+
+
+@triton.jit
+def _tile_row(TILES, index, QUERY_TILES: tl.constexpr):
+    """Row `index` of a table of query tiles (QUERY_TILES) or of key tiles."""
+    row = TILES + index * 8
+    start, end = tl.load(row + TILE_START), tl.load(row + TILE_END)
+    doc_start, doc_end = tl.load(row + OWN_START), tl.load(row + OWN_END)
+    other_start, other_end = tl.load(row + OTHER_START), tl.load(row + OTHER_END)
+    if QUERY_TILES:
+        q_len, k_len = doc_end - doc_start, other_end - other_start
+    else:
+        q_len, k_len = other_end - other_start, doc_end - doc_start
+    return TileRow(row, start, end, doc_start, other_start, q_len, k_len, k_len - q_len)
+
+
+@triton.jit
+def _key_range(tile, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
+               SAFEGUARD: tl.constexpr):
+    """Key tiles of a query tile (document-local keys): [0, n_full) are seen by every row and hold no
+    block that straddles a row's position (no mask, no safeguard); [n_full, n_end) need the mask."""
+    if CAUSAL:
+        first = tile.start - tile.doc_start + tile.shift  # the first row's key position
+        n_full = tl.maximum(first + 1, 0) // BLOCK_N * BLOCK_N
+        if SAFEGUARD:  # the block holding `first` and every later one take the masked path
+            n_full = tl.minimum(n_full, _first_straddling_key(tl.maximum(first, 0), BLOCK_TOKENS)
+                                // BLOCK_N * BLOCK_N)
+        n_end = tl.minimum(tile.k_len, tile.end - tile.doc_start + tile.shift)
+    else:
+        n_full = tile.k_len // BLOCK_N * BLOCK_N
+        n_end = tile.k_len
+    return n_full, n_end
+
+
+@triton.jit
+def _query_range(tile, BLOCK_M: tl.constexpr, BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
+                 SAFEGUARD: tl.constexpr):
+    """Query tiles (document-local rows, BLOCK_M-aligned) that see a key tile: from q_lo; those before
+    q_mid need the mask (the diagonal, and with the safeguard the rows whose position the key tile's
+    blocks hold); from q_mid on every row sees every key, safely."""
+    if CAUSAL:
+        key_start, key_end = tile.start - tile.doc_start, tile.end - tile.doc_start
+        q_lo = tl.maximum(key_start - tile.shift, 0) // BLOCK_M * BLOCK_M  # the first row seeing a key
+        thr = key_end - 1  # a row at or past this position sees every key of the tile...
+        if SAFEGUARD:  # ...and past the straddling block when the safeguard is on
+            thr = _first_safe_query(key_end, BLOCK_TOKENS)
+        q_mid = tl.minimum((tl.maximum(thr - tile.shift, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, tile.q_len)
+        q_mid = tl.maximum(q_mid, q_lo)
+    else:
+        q_lo, q_mid = 0, 0
+    return q_lo, q_mid
+
+
 # The custom ops find plans here: id(cu_seqlens_q on the plan's device) -> Plan, while the Plan
 # lives (it holds that tensor: a strong entry would keep both forever). Plans that calls build
 # themselves (no plan=) live on in _RECENT_PLANS for the backward and later layers, boundedly.
@@ -1098,32 +1180,16 @@ def _key_scales(EK, EV, n0, k_len, v_len, BLOCK_N: tl.constexpr, K_OPERAND: tl.c
 
 
 @triton.jit
-def _kv_descriptors(K, V, k_len, v_len, HK, stride_vd, D: tl.constexpr, BLOCK_N: tl.constexpr,
+def _kv_descriptors(kv, k_len, v_len, HK, stride_vd, D: tl.constexpr, BLOCK_N: tl.constexpr,
                     K_OPERAND: tl.constexpr):
-    """TMA descriptors (Blackwell) of one document's K (k_len rows) and V^T (D rows of v_len
-    padded keys), from pointers at its start and head: a box past the document's end reads zeros,
-    never the next document (a NaN there times P = 0 would be NaN) or V^T's unwritten tail."""
+    """kv = (K, EK, V, EV) with K and V as TMA descriptors (Blackwell) of one document's K (k_len
+    rows) and V^T (D rows of v_len padded keys), from pointers at its start and head: a box past the
+    document's end reads zeros, never the next document (a NaN there times P = 0 would be NaN) or
+    V^T's unwritten tail."""
+    K, EK, V, EV = kv
     W: tl.constexpr = D // 2 if K_OPERAND == "fp4_packed" else D  # FP4: two E2M1 per byte
-    return (tl.make_tensor_descriptor(K, [k_len, W], [HK * W, 1], [BLOCK_N, W]),
-            tl.make_tensor_descriptor(V, [D, v_len], [stride_vd, 1], [D, BLOCK_N]))
-
-
-@triton.jit
-def _key_range(first, end, k_len, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-               CAUSAL: tl.constexpr, SAFEGUARD: tl.constexpr):
-    """Key tiles of a query tile whose rows sit at key-axis positions [first, end): keys
-    [0, n_full) are seen by every row and hold no block that straddles a row's position (no mask,
-    no safeguard); keys [n_full, n_end) need the mask."""
-    if CAUSAL:
-        n_full = tl.maximum(first + 1, 0) // BLOCK_N * BLOCK_N
-        if SAFEGUARD:  # the block holding `first` and every later one take the masked path
-            n_full = tl.minimum(n_full, _first_straddling_key(tl.maximum(first, 0), BLOCK_TOKENS)
-                                // BLOCK_N * BLOCK_N)
-        n_end = tl.minimum(k_len, end)
-    else:
-        n_full = k_len // BLOCK_N * BLOCK_N
-        n_end = k_len
-    return n_full, n_end
+    return (tl.make_tensor_descriptor(K, [k_len, W], [HK * W, 1], [BLOCK_N, W]), EK,
+            tl.make_tensor_descriptor(V, [D, v_len], [stride_vd, 1], [D, BLOCK_N]), EV)
 
 
 @triton.jit
@@ -1202,55 +1268,48 @@ def _softmax_pv(state, s, qscale, ev, visible, same, start_n, V, VS, EVS, v_len,
 
 @triton.jit
 def _query_tile(TILES, H, HK, BLOCK_M: tl.constexpr):
-    """A program's query tile (a row of the Plan's table) and query head: the tile's rows, their
-    document's start, its key document, the causal shift and each row's position on the key axis."""
-    tile, h = tl.program_id(0), tl.program_id(1)
+    """A program's query tile (its TileRow), query head and K/V head, its rows, and each row's
+    position on the document's key axis."""
+    index, h = tl.program_id(0), tl.program_id(1)
     hk = h // (H // HK)  # GQA: consecutive query heads share a K/V head
-    row = TILES + tile * 8
-    q_start, q_end = tl.load(row + TILE_START), tl.load(row + TILE_END)
-    qd_start, qd_end = tl.load(row + OWN_START), tl.load(row + OWN_END)
-    kd_start, kd_end = tl.load(row + OTHER_START), tl.load(row + OTHER_END)
-    k_len = kd_end - kd_start
-    shift = k_len - (qd_end - qd_start)  # bottom-right causal alignment (0 in self-attention)
-    offs_m = q_start + tl.arange(0, BLOCK_M)
-    qmask = offs_m < q_end
-    pos_q = offs_m - qd_start + shift  # each row's position on the document's key axis
-    return h, hk, row, q_start, q_end, qd_start, kd_start, k_len, shift, offs_m, qmask, pos_q
+    tile = _tile_row(TILES, index, True)
+    offs_m = tile.start + tl.arange(0, BLOCK_M)
+    return tile, h, hk, offs_m, offs_m < tile.end, offs_m - tile.doc_start + tile.shift
 
 
 @triton.jit
-def _q_exponents(EQ, row, h, q_start, q_end, qd_start, T_QPAD, BLOCK_M: tl.constexpr, WORDS: tl.constexpr):
+def _q_exponents(EQ, tile, h, T_QPAD, BLOCK_M: tl.constexpr, WORDS: tl.constexpr):
     """Q's E8M0 row, from the tile's 16-aligned column to the document's padded end."""
-    q_col = tl.multiple_of(tl.load(row + OWN_PAD) + (q_start - qd_start), 16)
-    return _load_e8m0(EQ + h * T_QPAD + q_col, 0, _pad16_dev(q_end - q_start), 127, BLOCK_M, WORDS)
+    q_col = tl.multiple_of(tl.load(tile.row + OWN_PAD) + (tile.start - tile.doc_start), 16)
+    return _load_e8m0(EQ + h * T_QPAD + q_col, 0, _pad16_dev(tile.end - tile.start), 127, BLOCK_M, WORDS)
 
 
 @triton.jit
-def _quantize_query_tile(XQ, stride_t, stride_h, Q, EQ, row, h, offs_m, q_end, T_QPAD, H,
-                         D: tl.constexpr):
+def _quantize_query_tile(XQ, stride_t, stride_h, Q, EQ, tile, h, offs_m, T_QPAD, H, D: tl.constexpr):
     """Q per token, quantized where the forward loads it instead of in a pass of its own (which read
     bf16 Q, wrote E4M3 for the forward to read back): the quantizer's rule and bits, stored where it
     stores them (Operands' q, q_exp, the document's padding included) for the backward. Returns the
     E4M3 tile and its exponents."""
     x = tl.load(XQ + offs_m[:, None] * stride_t + h * stride_h + tl.arange(0, D)[None, :],
-                mask=(offs_m < q_end)[:, None], other=0.0).to(tl.float32)
+                mask=(offs_m < tile.end)[:, None], other=0.0).to(tl.float32)
     amax = _row_amax(x)
-    doc_start, doc_pad = tl.load(row + OWN_START), tl.load(row + OWN_PAD)
-    pad_end = doc_pad + _pad16_dev(tl.load(row + OWN_END) - doc_start)
-    v = _quantize_rows(x, amax, offs_m, q_end, doc_pad - doc_start, pad_end, h, Q, EQ, T_QPAD, H, D,
-                       False)
+    doc_pad = tl.load(tile.row + OWN_PAD)
+    v = _quantize_rows(x, amax, offs_m, tile.end, doc_pad - tile.doc_start, doc_pad + _pad16_dev(tile.q_len),
+                       h, Q, EQ, T_QPAD, H, D, False)
     return v.to(tl.float8e4nv), _scale_exponent(amax)
 
 
 @triton.jit
-def _kv_pointers(K, KB, EK, V, EV, KS, EKS, VS, EVS, row, hk, kd_start, k_len, HK, T_K, T_KPAD,
-                 stride_vh, stride_vt, D: tl.constexpr, K_OPERAND: tl.constexpr):
-    """Pointers at this document's first key and this K/V head, and V's length v_len (token-transposed
-    fp8 V and E8M0 rows: in the padded token layout from OTHER_PAD, zero-padded to a multiple of 16)."""
-    v_base, v_len = kd_start, k_len
+def _kv_pointers(K, KB, EK, V, EV, KS, EKS, VS, EVS, tile, hk, HK, T_K, T_KPAD, stride_vh, stride_vt,
+                 D: tl.constexpr, K_OPERAND: tl.constexpr):
+    """Pointers at the key document's first key and this K/V head: kv = (K, EK, V, EV), the
+    safeguard's per-token copies kv_tok = (KS, EKS, VS, EVS), FP4's block scales KB, and V's length
+    v_len (token-transposed fp8 V and E8M0 rows: in the padded token layout from OTHER_PAD,
+    zero-padded to a multiple of 16)."""
+    kd_start, v_base, v_len = tile.other_start, tile.other_start, tile.k_len
     if K_OPERAND != "bf16":
-        v_base = tl.multiple_of(tl.load(row + OTHER_PAD), 16)
-        v_len = tl.multiple_of(_pad16_dev(k_len), 16)
+        v_base = tl.multiple_of(tl.load(tile.row + OTHER_PAD), 16)
+        v_len = tl.multiple_of(_pad16_dev(tile.k_len), 16)
     W: tl.constexpr = D // 2 if K_OPERAND == "fp4_packed" else D  # FP4: two E2M1 per byte
     k_row = (kd_start * HK + hk) * W
     K, KS, KB = K + k_row, KS + k_row, KB + (kd_start * HK + hk) * (D // 32)
@@ -1261,7 +1320,7 @@ def _kv_pointers(K, KB, EK, V, EV, KS, EKS, VS, EVS, row, hk, kd_start, k_len, H
     EK, EKS = EK + ek_row, EKS + ek_row
     EV, EVS = EV + e_row, EVS + e_row
     V, VS = V + hk * stride_vh + v_base * stride_vt, VS + hk * stride_vh + v_base * stride_vt
-    return K, KB, EK, V, EV, KS, EKS, VS, EVS, v_len
+    return (K, EK, V, EV), (KS, EKS, VS, EVS), KB, v_len
 
 
 @triton.jit
@@ -1291,11 +1350,13 @@ def _fwd_store(state, O, LSE, offs_m, qmask, h, H, T_Q, D: tl.constexpr, QUANT: 
 # that feed a dot, so the step issues the next tile's scale loads first and their latency hides
 # behind this tile's MMAs. ONE_SCALE: scalar ek, ev join the row factors (2 multiplies/entry of S saved).
 @triton.jit
-def _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, K, EK, V, EV, KS, EKS, VS, EVS, k_len,
-                   v_len, HK, stride_vd, stride_vt, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                   K_OPERAND: tl.constexpr, PAIR_SAFEGUARD: tl.constexpr, ONE_SCALE: tl.constexpr):
+def _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, kv, kv_tok, k_len, v_len, HK, stride_vd,
+                   stride_vt, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+                   CAUSAL: tl.constexpr, MASKED: tl.constexpr, K_OPERAND: tl.constexpr,
+                   PAIR_SAFEGUARD: tl.constexpr, ONE_SCALE: tl.constexpr):
     QUANT: tl.constexpr = K_OPERAND != "bf16"
+    K, EK, V, EV = kv
+    KS, EKS, VS, EVS = kv_tok  # (triton 3.6 parses no nested unpacking)
     start_n = tl.multiple_of(start_n, BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)  # document-local key positions
     kmask = offs_n < k_len
@@ -1333,41 +1394,38 @@ def _attn_fwd(
     """The portable forward; K_OPERAND bf16, e4m3 or fp4_decoded (KB, FP4's block scales, unused).
     QUANTIZE_Q: the kernel quantizes Q itself and writes Q, EQ (_quantize_query_tile)."""
     QUANT: tl.constexpr = K_OPERAND != "bf16"
-    h, hk, row, q_start, q_end, qd_start, kd_start, k_len, shift, offs_m, qmask, pos_q = (
-        _query_tile(TILES, H, HK, BLOCK_M))
+    tile, h, hk, offs_m, qmask, pos_q = _query_tile(TILES, H, HK, BLOCK_M)
+    k_len = tile.k_len
     qscale = tl.full((BLOCK_M,), sm_scale_log2, tl.float32)  # S's row factor, and Q's scale:
     if QUANTIZE_Q:
-        q, e_q = _quantize_query_tile(XQ, stride_xqt, stride_xqh, Q, EQ, row, h, offs_m, q_end, T_QPAD,
-                                      H, D)
+        q, e_q = _quantize_query_tile(XQ, stride_xqt, stride_xqh, Q, EQ, tile, h, offs_m, T_QPAD, H, D)
         qscale *= _exp2_int(e_q)
     else:
         q = tl.load(Q + (offs_m[:, None] * H + h) * D + tl.arange(0, D)[None, :],
                     mask=qmask[:, None], other=0.0)
         if QUANT:
-            qscale *= _exp2_int(_q_exponents(EQ, row, h, q_start, q_end, qd_start, T_QPAD, BLOCK_M, False))
+            qscale *= _exp2_int(_q_exponents(EQ, tile, h, T_QPAD, BLOCK_M, False))
     if K_OPERAND == "fp4_decoded":  # K is bf16: E4M3 -> bf16 is exact
         q = q.to(tl.bfloat16)
-    K, KB, EK, V, EV, KS, EKS, VS, EVS, v_len = _kv_pointers(
-        K, KB, EK, V, EV, KS, EKS, VS, EVS, row, hk, kd_start, k_len, HK, T_K, T_KPAD, stride_vh,
-        stride_vt, D, K_OPERAND)
+    kv, kv_tok, KB, v_len = _kv_pointers(K, KB, EK, V, EV, KS, EKS, VS, EVS, tile, hk, HK, T_K, T_KPAD,
+                                         stride_vh, stride_vt, D, K_OPERAND)
     state = _fwd_state(BLOCK_M, D)
-    n_full, n_end = _key_range(q_start - qd_start + shift, q_end - qd_start + shift, k_len, BLOCK_N,
-                               BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
+    n_full, n_end = _key_range(tile, BLOCK_N, BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
     ONE_SCALE: tl.constexpr = K_OPERAND == "e4m3" and BLOCK_TOKENS % BLOCK_N == 0  # (_key_scales)
-    ek, ev = _key_scales(EK, EV, 0, k_len, v_len, BLOCK_N, K_OPERAND, ONE_SCALE, False)
+    ek, ev = _key_scales(kv[1], kv[3], 0, k_len, v_len, BLOCK_N, K_OPERAND, ONE_SCALE, False)
     for start_n in range(0, n_full, BLOCK_N):
-        state, ek, ev = _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, K, EK, V, EV, KS, EKS,
-                                       VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D, BLOCK_N,
-                                       BLOCK_TOKENS, CAUSAL, False, K_OPERAND, False, ONE_SCALE)
+        state, ek, ev = _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, kv, kv_tok, k_len, v_len,
+                                       HK, stride_vd, stride_vt, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False,
+                                       K_OPERAND, False, ONE_SCALE)
     # Masked tiles (the diagonal) are MASKED_N keys wide: narrower tiles there waste fewer masked
     # pairs and keep the mask and safeguard temporaries within the register budget.
     if SAFEGUARD == "tile":  # every masked tile lies in the query tile's own key block
-        K, EK, V, EV = KS, EKS, VS, EVS
-    ek, ev = _key_scales(EK, EV, n_full, k_len, v_len, MASKED_N, K_OPERAND, False, False)
+        kv = kv_tok
+    ek, ev = _key_scales(kv[1], kv[3], n_full, k_len, v_len, MASKED_N, K_OPERAND, False, False)
     for start_n in range(n_full, n_end, MASKED_N):
-        state, ek, ev = _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, K, EK, V, EV, KS, EKS,
-                                       VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D, MASKED_N,
-                                       BLOCK_TOKENS, CAUSAL, True, K_OPERAND, SAFEGUARD == "pair", False)
+        state, ek, ev = _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, kv, kv_tok, k_len, v_len,
+                                       HK, stride_vd, stride_vt, D, MASKED_N, BLOCK_TOKENS, CAUSAL, True,
+                                       K_OPERAND, SAFEGUARD == "pair", False)
     _fwd_store(state, O, LSE, offs_m, qmask, h, H, T_Q, D, QUANT)
 
 
@@ -1376,10 +1434,12 @@ def _attn_fwd(
 # E4M3 (e4m3) or E2M1 (fp4_packed, E8M0 block scales KB); with TMA, Q, K, V come through
 # per-document tensor descriptors; E8M0 rows are read in 32-bit words. The same steps as above.
 @triton.jit
-def _attn_fwd_blackwell_step(state, ek, ev, q, q_e8, qscale, pos_q, start_n, K, KB, EK, V, EV, KS,
-                             EKS, VS, EVS, k_len, v_len, HK, stride_vd, stride_vt, D: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
-                             MASKED: tl.constexpr, K_OPERAND: tl.constexpr, PAIR_SAFEGUARD: tl.constexpr):
+def _attn_fwd_blackwell_step(state, ek, ev, q, q_e8, qscale, pos_q, start_n, kv, kv_tok, KB, k_len,
+                             v_len, HK, stride_vd, stride_vt, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                             K_OPERAND: tl.constexpr, PAIR_SAFEGUARD: tl.constexpr):
+    K, EK, V, EV = kv
+    KS, EKS, VS, EVS = kv_tok  # (triton 3.6 parses no nested unpacking)
     start_n = tl.multiple_of(start_n, BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)  # document-local key positions
     kmask = offs_n < k_len
@@ -1408,42 +1468,39 @@ def _attn_fwd_blackwell(Q, EQ, K, KB, EK, V, EV, KS, EKS, VS, EVS, O, LSE, TILES
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED_N: tl.constexpr,
         BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, K_OPERAND: tl.constexpr,
         SAFEGUARD: tl.constexpr, TMA: tl.constexpr):
-    h, hk, row, q_start, q_end, qd_start, kd_start, k_len, shift, offs_m, qmask, pos_q = (
-        _query_tile(TILES, H, HK, BLOCK_M))
-    if TMA:  # TMA boxes of exactly this tile's rows (zeros past q_end)
-        q = tl.make_tensor_descriptor(Q + (q_start * H + h) * D, [q_end - q_start, D], [H * D, 1],
+    tile, h, hk, offs_m, qmask, pos_q = _query_tile(TILES, H, HK, BLOCK_M)
+    k_len = tile.k_len
+    if TMA:  # TMA boxes of exactly this tile's rows (zeros past its end)
+        q = tl.make_tensor_descriptor(Q + (tile.start * H + h) * D, [tile.end - tile.start, D], [H * D, 1],
                                       [BLOCK_M, D]).load([0, 0])
     else:
         q = tl.load(Q + (offs_m[:, None] * H + h) * D + tl.arange(0, D)[None, :],
                     mask=qmask[:, None], other=0.0)
     qscale = tl.full((BLOCK_M,), sm_scale_log2, tl.float32)  # the MMA applies Q's scale
-    q_e8 = _e8m0_blocks(_q_exponents(EQ, row, h, q_start, q_end, qd_start, T_QPAD, BLOCK_M, True), D)
-    K, KB, EK, V, EV, KS, EKS, VS, EVS, v_len = _kv_pointers(
-        K, KB, EK, V, EV, KS, EKS, VS, EVS, row, hk, kd_start, k_len, HK, T_K, T_KPAD, stride_vh,
-        stride_vt, D, K_OPERAND)
-    n_full, n_end = _key_range(q_start - qd_start + shift, q_end - qd_start + shift, k_len, BLOCK_N,
-                               BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
+    q_e8 = _e8m0_blocks(_q_exponents(EQ, tile, h, T_QPAD, BLOCK_M, True), D)
+    kv, kv_tok, KB, v_len = _kv_pointers(K, KB, EK, V, EV, KS, EKS, VS, EVS, tile, hk, HK, T_K, T_KPAD,
+                                         stride_vh, stride_vt, D, K_OPERAND)
+    n_full, n_end = _key_range(tile, BLOCK_N, BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
     state = _fwd_state(BLOCK_M, D)
-    K1, V1 = K, V
+    kv_full = kv
     if TMA:
-        K1, V1 = _kv_descriptors(K, V, k_len, v_len, HK, stride_vd, D, BLOCK_N, K_OPERAND)
-    ek, ev = _key_scales(EK, EV, 0, k_len, v_len, BLOCK_N, K_OPERAND, False, True)
+        kv_full = _kv_descriptors(kv, k_len, v_len, HK, stride_vd, D, BLOCK_N, K_OPERAND)
+    ek, ev = _key_scales(kv[1], kv[3], 0, k_len, v_len, BLOCK_N, K_OPERAND, False, True)
     for start_n in range(0, n_full, BLOCK_N):
         state, ek, ev = _attn_fwd_blackwell_step(
-            state, ek, ev, q, q_e8, qscale, pos_q, start_n, K1, KB, EK, V1, EV, KS, EKS, VS, EVS, k_len,
-            v_len, HK, stride_vd, stride_vt, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False, K_OPERAND, False)
+            state, ek, ev, q, q_e8, qscale, pos_q, start_n, kv_full, kv_tok, KB, k_len, v_len, HK, stride_vd,
+            stride_vt, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False, K_OPERAND, False)
     if SAFEGUARD == "tile":
-        K, EK, V, EV = KS, EKS, VS, EVS
+        kv = kv_tok
     if TMA:  # the masked tiles' boxes are MASKED_N keys wide
-        K, V = _kv_descriptors(K, V, k_len, v_len, HK, stride_vd, D, MASKED_N, K_OPERAND)
+        kv = _kv_descriptors(kv, k_len, v_len, HK, stride_vd, D, MASKED_N, K_OPERAND)
         if SAFEGUARD == "pair":
-            KS, VS = _kv_descriptors(KS, VS, k_len, v_len, HK, stride_vd, D, MASKED_N, K_OPERAND)
-    ek, ev = _key_scales(EK, EV, n_full, k_len, v_len, MASKED_N, K_OPERAND, False, True)
+            kv_tok = _kv_descriptors(kv_tok, k_len, v_len, HK, stride_vd, D, MASKED_N, K_OPERAND)
+    ek, ev = _key_scales(kv[1], kv[3], n_full, k_len, v_len, MASKED_N, K_OPERAND, False, True)
     for start_n in range(n_full, n_end, MASKED_N):
         state, ek, ev = _attn_fwd_blackwell_step(
-            state, ek, ev, q, q_e8, qscale, pos_q, start_n, K, KB, EK, V, EV, KS, EKS, VS, EVS, k_len,
-            v_len, HK, stride_vd, stride_vt, D, MASKED_N, BLOCK_TOKENS, CAUSAL, True, K_OPERAND,
-            SAFEGUARD == "pair")
+            state, ek, ev, q, q_e8, qscale, pos_q, start_n, kv, kv_tok, KB, k_len, v_len, HK, stride_vd,
+            stride_vt, D, MASKED_N, BLOCK_TOKENS, CAUSAL, True, K_OPERAND, SAFEGUARD == "pair")
     _fwd_store(state, O, LSE, offs_m, qmask, h, H, T_Q, D, True)
 
 
@@ -1594,24 +1651,6 @@ def _query_rows(LSE, DELTA, offs_m, end):
 
 
 @triton.jit
-def _query_range(key_start, key_end, q_len, shift, BLOCK_M: tl.constexpr,
-                 BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, SAFEGUARD: tl.constexpr):
-    """Query tiles (document-local rows, BLOCK_M-aligned) that see keys [key_start, key_end): from
-    q_lo; those before q_mid need the mask (the diagonal, and with the safeguard the rows whose
-    position the key tile's blocks hold); from q_mid on every row sees every key, safely."""
-    if CAUSAL:
-        q_lo = tl.maximum(key_start - shift, 0) // BLOCK_M * BLOCK_M  # the first row seeing a key
-        thr = key_end - 1  # a row at or past this position sees every key of the tile...
-        if SAFEGUARD:  # ...and past the straddling block when the safeguard is on
-            thr = _first_safe_query(key_end, BLOCK_TOKENS)
-        q_mid = tl.minimum((tl.maximum(thr - shift, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, q_len)
-        q_mid = tl.maximum(q_mid, q_lo)
-    else:
-        q_lo, q_mid = 0, 0
-    return q_lo, q_mid
-
-
-@triton.jit
 def _attn_bwd_dkdv_step(dk, dv, lse2, delta, k, v, ks, vs, kscale, pos_k, start_m, Q, DO, LSE, DELTA, q_len,
                         shift, H, sm_scale_log2, D: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, K_SCALED: tl.constexpr,
@@ -1653,16 +1692,11 @@ def _attn_bwd_dkdv(
         sm_scale, T_Q, T_K, H, HK,
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
         CAUSAL: tl.constexpr, SAFEGUARD: tl.constexpr, K_SCALED: tl.constexpr):
-    tile, hk = tl.program_id(0), tl.program_id(1)
-    row = TILES + tile * 8
-    k_start, k_end = tl.load(row + TILE_START), tl.load(row + TILE_END)
-    kd_start, kd_end = tl.load(row + OWN_START), tl.load(row + OWN_END)
-    qd_start, qd_end = tl.load(row + OTHER_START), tl.load(row + OTHER_END)
-    q_len = qd_end - qd_start
-    shift = (kd_end - kd_start) - q_len
-    offs_n = k_start + tl.arange(0, BLOCK_N)
-    kmask = offs_n < k_end
-    pos_k = offs_n - kd_start
+    tile, hk = _tile_row(TILES, tl.program_id(0), False), tl.program_id(1)
+    qd_start, q_len, shift = tile.other_start, tile.q_len, tile.shift
+    offs_n = tile.start + tl.arange(0, BLOCK_N)
+    kmask = offs_n < tile.end
+    pos_k = offs_n - tile.doc_start
     ptrs = (offs_n[:, None] * HK + hk) * D + tl.arange(0, D)[None, :]
     k = tl.load(K + ptrs, mask=kmask[:, None], other=0.0)
     v = tl.load(V + ptrs, mask=kmask[:, None], other=0.0)
@@ -1676,8 +1710,7 @@ def _attn_bwd_dkdv(
     # Query tiles of the document that see this key tile (_query_range): masked ones first, then
     # those every row of which sees every key, then the document's partial last tile (bounds mask).
     q_full = q_len // BLOCK_M * BLOCK_M
-    q_lo, q_mid = _query_range(k_start - kd_start, k_end - kd_start, q_len, shift, BLOCK_M,
-                               BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
+    q_lo, q_mid = _query_range(tile, BLOCK_M, BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
     k_diag, v_diag = (ks, vs) if SAFEGUARD == "tile" else (k, v)  # "tile": masked tiles share its block
     sm_scale_log2 = sm_scale * 1.4426950408889634
     dk, dv = tl.zeros((BLOCK_N, D), tl.float32), tl.zeros((BLOCK_N, D), tl.float32)
@@ -1747,27 +1780,25 @@ def _attn_bwd_dq(
         sm_scale, T_Q, T_K, H, HK,
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
         CAUSAL: tl.constexpr, SAFEGUARD: tl.constexpr, K_SCALED: tl.constexpr):
-    h, hk, row, q_start, q_end, qd_start, kd_start, k_len, shift, offs_m, qmask, pos_q = (
-        _query_tile(TILES, H, HK, BLOCK_M))
+    tile, h, hk, offs_m, qmask, pos_q = _query_tile(TILES, H, HK, BLOCK_M)
     ptrs = (offs_m[:, None] * H + h) * D + tl.arange(0, D)[None, :]
     q = tl.load(Q + ptrs, mask=qmask[:, None], other=0.0)
     do = tl.load(DO + ptrs, mask=qmask[:, None], other=0.0)
-    lse2, delta = _query_rows(LSE + h * T_Q, DELTA + h * T_Q, offs_m, q_end)
-    n_full, n_end = _key_range(q_start - qd_start + shift, q_end - qd_start + shift, k_len, BLOCK_N,
-                               BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
-    k_row = (kd_start * HK + hk) * D
+    lse2, delta = _query_rows(LSE + h * T_Q, DELTA + h * T_Q, offs_m, tile.end)
+    n_full, n_end = _key_range(tile, BLOCK_N, BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
+    k_row = (tile.other_start * HK + hk) * D
     K, V, KS, VS = K + k_row, V + k_row, KS + k_row, VS + k_row
-    K_SCALE = K_SCALE + hk * T_K + kd_start
+    K_SCALE = K_SCALE + hk * T_K + tile.other_start
     sm_scale_log2 = sm_scale * 1.4426950408889634
     dq = tl.zeros((BLOCK_M, D), tl.float32)
     for start_n in range(0, n_full, BLOCK_N):
-        dq = _attn_bwd_dq_step(dq, q, do, lse2, delta, pos_q, start_n, K, V, KS, VS, K_SCALE, k_len,
+        dq = _attn_bwd_dq_step(dq, q, do, lse2, delta, pos_q, start_n, K, V, KS, VS, K_SCALE, tile.k_len,
                                HK, sm_scale_log2, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, K_SCALED,
                                MASKED=False, PAIR_SAFEGUARD=False)
     if SAFEGUARD == "tile":  # the masked key tiles all lie in this query tile's block
         K, V = KS, VS
     for start_n in range(n_full, n_end, BLOCK_N):
-        dq = _attn_bwd_dq_step(dq, q, do, lse2, delta, pos_q, start_n, K, V, KS, VS, K_SCALE, k_len,
+        dq = _attn_bwd_dq_step(dq, q, do, lse2, delta, pos_q, start_n, K, V, KS, VS, K_SCALE, tile.k_len,
                                HK, sm_scale_log2, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, K_SCALED,
                                MASKED=True, PAIR_SAFEGUARD=SAFEGUARD == "pair")
     tl.store(DQ + ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=qmask[:, None])

@@ -259,25 +259,15 @@ def _work_item(TILES, item, H, HK, BLOCK_N: gl.constexpr, BLOCK_TOKENS: gl.const
                CAUSAL: gl.constexpr, TILE_SAFEGUARD: gl.constexpr, QUANT: gl.constexpr):
     """Work item `item` of the persistent launch: query tile item // H of the Plan's tile table
     (heads fastest, so the table's LPT order holds across heads), head item % H. Every partition
-    computes it from the table (a few scalar loads) rather than receiving it. Returns the head, its
-    K/V head, the tile's rows, the document's query and key ranges, where V^T and the exponent rows
-    place it (padded token layout), the causal shift and the key tiles: n_kt in all, the first
-    n_unmasked of which every row sees in full."""
+    computes it from the table (a few scalar loads) rather than receiving it. Returns the tile's
+    TileRow, the head, its K/V head, where V^T and the exponent rows place the key document (padded
+    token layout) and the key tiles: n_kt in all, the first n_unmasked of which every row sees in
+    full."""
     h = item % H
-    row = TILES + (item // H) * 8
-    q_start = gl.load(row + flamia.TILE_START)
-    q_end = gl.load(row + flamia.TILE_END)
-    qd_start = gl.load(row + flamia.OWN_START)
-    qd_end = gl.load(row + flamia.OWN_END)
-    kd_start = gl.load(row + flamia.OTHER_START)
-    kd_end = gl.load(row + flamia.OTHER_END)
-    v_base = gl.load(row + flamia.OTHER_PAD) if QUANT else kd_start
-    own_pad = gl.load(row + flamia.OWN_PAD)
-    shift = (kd_end - kd_start) - (qd_end - qd_start)
-    n_full, n_end = flamia._key_range(q_start - qd_start + shift, q_end - qd_start + shift,
-                                      kd_end - kd_start, BLOCK_N, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)
-    return (h, h // (H // HK), q_start, q_end, qd_start, kd_start, kd_end, v_base, own_pad, shift,
-            (n_end + BLOCK_N - 1) // BLOCK_N, n_full // BLOCK_N)
+    tile = flamia._tile_row(TILES, item // H, True)
+    v_base = gl.load(tile.row + flamia.OTHER_PAD) if QUANT else tile.other_start
+    n_full, n_end = flamia._key_range(tile, BLOCK_N, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)
+    return tile, h, h // (H // HK), v_base, (n_end + BLOCK_N - 1) // BLOCK_N, n_full // BLOCK_N
 
 # ------------------------------------------------------------------------------------------------
 # loader partition (1 warp): TMA into the ring
@@ -289,15 +279,15 @@ def _loader(q_desc, k_desc, v_desc, ks_desc, vs_desc, ring, EK, EV, EKS, EVS, TI
             TILE_SAFEGUARD: gl.constexpr):
     c0 = 0  # ring position of the item's first key tile: the ring runs on across items
     for t in range(_items_of_cta(n_items)):  # Q buffer t % 2
-        h, hk, q_start, q_end, qd_start, kd_start, kd_end, v_base, own_pad, shift, n_kt, \
-            n_unmasked = _work_item(TILES, _item(t), H, HK, BLOCK_N, BLOCK_TOKENS, CAUSAL,
-                                    TILE_SAFEGUARD, QUANT)
+        tile, h, hk, v_base, n_kt, n_unmasked = _work_item(TILES, _item(t), H, HK, BLOCK_N, BLOCK_TOKENS,
+                                                           CAUSAL, TILE_SAFEGUARD, QUANT)
+        kd_start = tile.other_start
         # Q of item t, warpgroup w's 64 rows: ring position 2t + w of 4 (two items in flight)
         for w in gl.static_range(2):
             b = (2 * t + w) % 4
             _acquire_free(ring.q_empty, 2 * t + w, 4)
             mbarrier.expect(ring.q_bar.index(b), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_start + w * 64, h * D], ring.q_bar.index(b),
+            tma.async_copy_global_to_shared(q_desc, [tile.start + w * 64, h * D], ring.q_bar.index(b),
                                             ring.q_s.index(b))
         col = hk * T_KPAD + (v_base - kd_start)  # exponent rows indexed by token (see _work_item)
         for j in range(n_kt):
@@ -328,7 +318,7 @@ def _loader(q_desc, k_desc, v_desc, ks_desc, vs_desc, ring, EK, EV, EKS, EVS, TI
                 # which hides their latency), staged as 2^(ek-127) fp32 and ev - 127 int32 so that
                 # the consumers do no global loads and no conversions.
                 _stage_scales(EK + col, EV + col, EKS + col, EVS + col, ring.sk_s.index(s),
-                              ring.ev_s.index(s), n0, kd_end, TILE_SAFEGUARD and j >= n_unmasked,
+                              ring.ev_s.index(s), n0, kd_start + tile.k_len, TILE_SAFEGUARD and j >= n_unmasked,
                               BLOCK_N)
                 _release(ring.sc_ready, c, STAGES)
         c0 += n_kt
@@ -337,9 +327,8 @@ def _loader(q_desc, k_desc, v_desc, ks_desc, vs_desc, ring, EK, EV, EKS, EVS, TI
 # consumer partition (one warpgroup, 64 query rows)
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
-def _softmax(s, m_i, l_i, ref_i, qscale, rows, offs_n, SK, EVR, ek1, ev1, kd_start, kd_end,
-             qd_start, shift, CAUSAL: gl.constexpr, QUANT: gl.constexpr, MASKED: gl.constexpr,
-             ONE_SCALE: gl.constexpr):
+def _softmax(s, m_i, l_i, ref_i, qscale, rows, offs_n, SK, EVR, ek1, ev1, tile, CAUSAL: gl.constexpr,
+             QUANT: gl.constexpr, MASKED: gl.constexpr, ONE_SCALE: gl.constexpr):
     """Online softmax of one key tile (see the header): returns P (fp32, S's layout), the row
     factor for O, and the new m, l, ref. ONE_SCALE: the tile lies in one scale block, whose
     exponents ek1 (biased) and ev1 (unbiased) are scalars: K's scale joins the row factor and V's
@@ -362,7 +351,7 @@ def _softmax(s, m_i, l_i, ref_i, qscale, rows, offs_n, SK, EVR, ek1, ev1, kd_sta
                * flamia._exp2_int(ref_new + 119))
         alpha = gl.exp2((m_i - m_use) + (ref_i - ref_new).to(gl.float32))
         return p, alpha, m_new, l_i, ref_new
-    kmask = offs_n < kd_end
+    kmask = offs_n < tile.other_start + tile.k_len
     if QUANT:
         col_l: gl.constexpr = gl.SliceLayout(0, s.type.layout)
         ev = EVR.load(col_l)  # staged by the loader: ev - 127 (int32) and 2^(ek - 127) (fp32)
@@ -370,8 +359,8 @@ def _softmax(s, m_i, l_i, ref_i, qscale, rows, offs_n, SK, EVR, ek1, ev1, kd_sta
     if MASKED:  # keys past the document end; (causal) keys after the row's position
         visible = gl.expand_dims(kmask, 0)
         if CAUSAL:
-            pos_q = rows - qd_start + shift  # bottom-right alignment
-            visible = visible & (gl.expand_dims(offs_n - kd_start, 0) <= gl.expand_dims(pos_q, 1))
+            pos_q = rows - tile.doc_start + tile.shift  # bottom-right alignment
+            visible = visible & (gl.expand_dims(offs_n - tile.other_start, 0) <= gl.expand_dims(pos_q, 1))
         s = gl.where(visible, s, float("-inf"))
     # the row max is taken before the row factor: qscale > 0 and rounding is monotonic
     m_new = gl.maximum(m_i, gl.max(s, 1) * qscale)
@@ -416,16 +405,15 @@ def _issue_s(c, q, ring, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
                          use_acc=False, is_async=True)
 
 @gluon.jit
-def _step(j, c0, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, ring, EKd, EVd, kd_start,
-          kd_end, qd_start, shift,
-          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+def _step(j, c0, s, state, ek1, ev1, q, qscale, rows, ring, EKd, EVd, tile, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
           QUANT: gl.constexpr, MASKED: gl.constexpr, LAST: gl.constexpr, ONE_SCALE: gl.constexpr):
     """Key tile j (ring position c0 + j), whose S_j is in registers: issue S_{j+1} (unless LAST),
-    softmax(S_j) while it runs, O = alpha_j O + P_j V_j. Returns S_{j+1} (S_j when LAST) and the
-    new statistics.
+    softmax(S_j) while it runs, O = alpha_j O + P_j V_j. Returns S_{j+1} (S_j when LAST), the new
+    state (O, m, l, ref) and the next tile's ONE_SCALE exponents.
     MASKED tiles issue S_{j+1} after P_j V_j instead: their mask temporaries and S_{j+1}'s 64
     accumulator registers do not fit together in 240 (ptxas spilled ~0.7 KB), and they are one or
     two tiles per query tile."""
+    acc, m_i, l_i, ref_i = state
     dtype: gl.constexpr = q.dtype
     s_layout: gl.constexpr = s.type.layout
     o_layout: gl.constexpr = acc.type.layout
@@ -433,15 +421,15 @@ def _step(j, c0, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, ring, EKd, 
     st = c % STAGES
     if not LAST and not MASKED:
         s_tok = _issue_s(c + 1, q, ring, BLOCK_N, STAGES)
-    offs_n = kd_start + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    offs_n = tile.other_start + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     one: gl.constexpr = ONE_SCALE and not MASKED
     if QUANT and not one:
         _acquire_filled(ring.sc_ready, c, STAGES)
     p, alpha, m_i, l_i, ref_i = _softmax(s, m_i, l_i, ref_i, qscale, rows, offs_n,
-                                         ring.sk_s.index(st), ring.ev_s.index(st), ek1, ev1, kd_start,
-                                         kd_end, qd_start, shift, CAUSAL, QUANT, MASKED, one)
+                                         ring.sk_s.index(st), ring.ev_s.index(st), ek1, ev1, tile,
+                                         CAUSAL, QUANT, MASKED, one)
     if one:  # the next tile's scalar scales, loaded a tile ahead (their latency hides here)
-        ek1, ev1 = _block_scales(EKd, EVd, (j + 1) * BLOCK_N, kd_end - kd_start)
+        ek1, ev1 = _block_scales(EKd, EVd, (j + 1) * BLOCK_N, tile.k_len)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     p = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(
         operand_index=0, parent=o_layout, k_width=32 // dtype.primitive_bitwidth))
@@ -456,7 +444,7 @@ def _step(j, c0, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, ring, EKd, 
     # for an MMA as early as it can, so the softmax overlaps the MMA issued BEFORE it (S_{j+1}).
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
     _release(ring.kv_empty, c, STAGES)  # K_j and V_j are consumed
-    return s, acc, m_i, l_i, ref_i, ek1, ev1
+    return s, (acc, m_i, l_i, ref_i), ek1, ev1
 
 @gluon.jit
 def _consumer(ring, EQ, EK, EV, O, LSE, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK, n_items,
@@ -470,50 +458,45 @@ def _consumer(ring, EQ, EK, EV, O, LSE, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPA
     orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
     c0 = 0  # ring position of the item's first key tile (the loader's count)
     for t in range(_items_of_cta(n_items)):  # Q buffer t % 2
-        h, hk, q_start, q_end, qd_start, kd_start, kd_end, v_base, own_pad, shift, n_kt, \
-            n_unmasked = _work_item(TILES, _item(t), H, HK, BLOCK_N, BLOCK_TOKENS, CAUSAL,
-                                    TILE_SAFEGUARD, QUANT)
-        rows = q_start + WG * 64 + gl.arange(0, 64, layout=row_l)
-        qmask = rows < q_end
+        tile, h, hk, v_base, n_kt, n_unmasked = _work_item(TILES, _item(t), H, HK, BLOCK_N, BLOCK_TOKENS,
+                                                           CAUSAL, TILE_SAFEGUARD, QUANT)
+        rows = tile.start + WG * 64 + gl.arange(0, 64, layout=row_l)
+        qmask = rows < tile.end
         # Exponent rows (H, T_padded) use the padded token layout (a document at its 16-aligned
         # column): pointers shifted so that they are indexed by token, head and document included.
         EKd = EK + hk * T_KPAD + v_base  # this document's first key
         EVd = EV + hk * T_KPAD + v_base
         if QUANT:
-            eq = gl.load(EQ + h * T_QPAD + (own_pad - qd_start) + rows, mask=qmask, other=127)
+            own_pad = gl.load(tile.row + flamia.OWN_PAD)
+            eq = gl.load(EQ + h * T_QPAD + (own_pad - tile.doc_start) + rows, mask=qmask, other=127)
             qscale = flamia._exp2_int(eq.to(gl.int32)) * sm_scale_log2
         else:
             qscale = gl.full([64], 1.0, gl.float32, row_l) * sm_scale_log2
-        m_i = gl.full([64], float("-inf"), gl.float32, row_l)
-        l_i = gl.zeros([64], gl.float32, row_l)
-        # V reference exponent; >= -100 keeps 2^(8-ref) finite
-        ref_i = gl.full([64], -100, gl.int32, row_l)
-        acc = gl.zeros([64, D], gl.float32, o_layout)
+        # (O, row max, row sum, V's reference exponent: >= -100 keeps 2^(8-ref) finite)
+        state = (gl.zeros([64, D], gl.float32, o_layout), gl.full([64], float("-inf"), gl.float32, row_l),
+                 gl.zeros([64], gl.float32, row_l), gl.full([64], -100, gl.int32, row_l))
         _acquire_filled(ring.q_bar, 2 * t + WG, 4)
         q = ring.q_s.index((2 * t + WG) % 4)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(_issue_s(c0, q, ring, BLOCK_N, STAGES),))
         ek1 = 0
         ev1 = 0
         if ONE_SCALE:
-            ek1, ev1 = _block_scales(EKd, EVd, 0, kd_end - kd_start)
+            ek1, ev1 = _block_scales(EKd, EVd, 0, tile.k_len)
         # Tiles every row sees in full (no mask), then the masked ones; the last issues no S.
         n_free = gl.minimum(n_unmasked, n_kt - 1)
         for j in range(0, n_free):
-            s, acc, m_i, l_i, ref_i, ek1, ev1 = _step(
-                j, c0, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, ring, EKd, EVd, kd_start,
-                kd_end, qd_start, shift, BLOCK_N, STAGES, CAUSAL, QUANT, False, False, ONE_SCALE)
+            s, state, ek1, ev1 = _step(j, c0, s, state, ek1, ev1, q, qscale, rows, ring, EKd, EVd, tile,
+                                       BLOCK_N, STAGES, CAUSAL, QUANT, False, False, ONE_SCALE)
         for j in range(n_free, n_kt - 1):
-            s, acc, m_i, l_i, ref_i, ek1, ev1 = _step(
-                j, c0, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, ring, EKd, EVd, kd_start,
-                kd_end, qd_start, shift, BLOCK_N, STAGES, CAUSAL, QUANT, True, False, ONE_SCALE)
+            s, state, ek1, ev1 = _step(j, c0, s, state, ek1, ev1, q, qscale, rows, ring, EKd, EVd, tile,
+                                       BLOCK_N, STAGES, CAUSAL, QUANT, True, False, ONE_SCALE)
         if n_kt - 1 < n_unmasked:
-            s, acc, m_i, l_i, ref_i, ek1, ev1 = _step(
-                n_kt - 1, c0, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, ring, EKd, EVd,
-                kd_start, kd_end, qd_start, shift, BLOCK_N, STAGES, CAUSAL, QUANT, False, True, ONE_SCALE)
+            s, state, ek1, ev1 = _step(n_kt - 1, c0, s, state, ek1, ev1, q, qscale, rows, ring, EKd, EVd,
+                                       tile, BLOCK_N, STAGES, CAUSAL, QUANT, False, True, ONE_SCALE)
         else:
-            s, acc, m_i, l_i, ref_i, ek1, ev1 = _step(
-                n_kt - 1, c0, s, acc, m_i, l_i, ref_i, ek1, ev1, q, qscale, rows, ring, EKd, EVd,
-                kd_start, kd_end, qd_start, shift, BLOCK_N, STAGES, CAUSAL, QUANT, True, True, ONE_SCALE)
+            s, state, ek1, ev1 = _step(n_kt - 1, c0, s, state, ek1, ev1, q, qscale, rows, ring, EKd, EVd,
+                                       tile, BLOCK_N, STAGES, CAUSAL, QUANT, True, True, ONE_SCALE)
+        acc, m_i, l_i, ref_i = state
         _release(ring.q_empty, 2 * t + WG, 4)  # every S of this item is retired
         c0 += n_kt
         # epilogue: O = acc / l (back from units of 2^(ref - 8)), LSE in natural log. The loader
@@ -528,7 +511,7 @@ def _consumer(ring, EQ, EK, EV, O, LSE, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPA
         rows_o = gl.convert_layout(rows, orow_l)
         offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
         ptrs = O + (gl.expand_dims(rows_o, 1) * H + h) * D + gl.expand_dims(offs_d, 0)
-        omask = gl.expand_dims(rows_o < q_end, 1) & gl.expand_dims(offs_d < D, 0)
+        omask = gl.expand_dims(rows_o < tile.end, 1) & gl.expand_dims(offs_d < D, 0)
         gl.store(ptrs, o.to(O.dtype.element_ty), mask=omask)
 
 # ------------------------------------------------------------------------------------------------
@@ -748,20 +731,12 @@ class BwdSmem:
 @gluon.jit
 def _key_tile(TILES, BLOCK_M: gl.constexpr, BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr,
               TILE_SAFEGUARD: gl.constexpr):
-    """Key tile program_id(0) of the Plan's key-tile table: its keys, its documents, and flamia's
-    query range for it (_attn_bwd_dkdv's q_lo, q_mid: query tiles [q_lo, q_mid) are masked, and
-    with the safeguard use the per-token copies; rows are document-local)."""
-    row = TILES + gl.program_id(0) * 8
-    k_start = gl.load(row + flamia.TILE_START)
-    k_end = gl.load(row + flamia.TILE_END)
-    kd_start = gl.load(row + flamia.OWN_START)
-    kd_end = gl.load(row + flamia.OWN_END)
-    qd_start = gl.load(row + flamia.OTHER_START)
-    q_len = gl.load(row + flamia.OTHER_END) - qd_start
-    shift = (kd_end - kd_start) - q_len
-    q_lo, q_mid = flamia._query_range(k_start - kd_start, k_end - kd_start, q_len, shift, BLOCK_M,
-                                      BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)
-    return k_start, k_end, kd_start, kd_end, qd_start, q_len, shift, q_lo, q_mid
+    """Key tile program_id(0) of the Plan's key-tile table (its TileRow), and flamia's query range
+    for it (_attn_bwd_dkdv's q_lo, q_mid: query tiles [q_lo, q_mid) are masked, and with the
+    safeguard use the per-token copies; rows are document-local)."""
+    tile = flamia._tile_row(TILES, gl.program_id(0), False)
+    q_lo, q_mid = flamia._query_range(tile, BLOCK_M, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)
+    return tile, q_lo, q_mid
 
 @gluon.jit
 def _stage_rows(LSEh, DELTAh, lse_slot, dl_slot, start_m, q_len, BLOCK_M: gl.constexpr):
@@ -780,8 +755,8 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, sm, LSE, DELT
                 BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, TILE_SAFEGUARD: gl.constexpr,
                 FP8_KV: gl.constexpr):
     hk = gl.program_id(1)
-    k_start, k_end, kd_start, kd_end, qd_start, q_len, shift, q_lo, q_mid = _key_tile(
-        TILES, BLOCK_M, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)
+    tile, q_lo, q_mid = _key_tile(TILES, BLOCK_M, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)
+    k_start, qd_start, q_len = tile.start, tile.other_start, tile.q_len
     bar = sm.kv_ready.index(0)
     copies: gl.constexpr = 2 if TILE_SAFEGUARD else 1
     if not FP8_KV:  # (else the consumers dequantize K, V into k_s, v_s themselves)
@@ -922,15 +897,15 @@ def _bwd_consumer(sm, DQ, dq_desc, DK, DV, K8, V8T, EK, EV, T_KPAD, TILES, sm_sc
                   STAGES: gl.constexpr, BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr,
                   TILE_SAFEGUARD: gl.constexpr, FP8_KV: gl.constexpr):
     hk = gl.program_id(1)
-    k_start, k_end, kd_start, kd_end, qd_start, q_len, shift, q_lo, q_mid = _key_tile(
-        TILES, BLOCK_M, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)
+    tile, q_lo, q_mid = _key_tile(TILES, BLOCK_M, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)
+    k_start, k_end, qd_start, q_len, shift = tile.start, tile.end, tile.other_start, tile.q_len, tile.shift
     o_layout: gl.constexpr = _mma_layout(gl.bfloat16, D)
     row_l: gl.constexpr = gl.SliceLayout(1, _mma_layout(gl.bfloat16, BLOCK_M))
-    pos_k = k_start - kd_start + WG * 64 + gl.arange(0, 64, layout=row_l)
-    kd_len = kd_end - kd_start
+    pos_k = k_start - tile.doc_start + WG * 64 + gl.arange(0, 64, layout=row_l)
+    kd_len = tile.k_len
     sm_scale_log2 = sm_scale * 1.4426950408889634
     if FP8_KV:  # before dK, dV's registers are live
-        p0 = gl.load(TILES + gl.program_id(0) * 8 + 7) + k_start - kd_start  # OWN_PAD: padded column
+        p0 = gl.load(tile.row + flamia.OWN_PAD) + k_start - tile.doc_start  # the padded column
         _dequantize_keys(K8, V8T, EK, EV, sm.k_s.slice(WG * 64, 64), sm.v_s.slice(WG * 64, 64),
                          k_start + WG * 64, k_end, p0 + WG * 64, hk, HK, T_KPAD, D)
         fence_async_shared()
