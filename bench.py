@@ -526,7 +526,8 @@ def bench_tune(args):
         for recipe in ("mxfp8", "bf16"):
             fn = flamia_impl(recipe, lens)
             for cfg in fwd_cfgs:
-                flamia.TILES[D] = tiles0[D]._replace(fwd=dict(tiles0[D].fwd, **{recipe: cfg}))
+                k_operand = flamia.variant(q, recipe, 1, backend="tl").k_operand  # the forward's tiles' key
+                flamia.TILES[D] = tiles0[D]._replace(fwd=dict(tiles0[D].fwd, **{k_operand: cfg}))
                 try:
                     ms = do_bench(lambda: fn(q, k, v))
                     rows.append(dict(workload=name, recipe=recipe, kind="fwd", cfg=cfg, ms=ms, tflops=flops / ms / 1e9))

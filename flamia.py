@@ -151,12 +151,15 @@ PAD_ALIGN = 16  # token-transposed layouts start every document at a multiple of
 
 @dataclass(frozen=True)
 class Recipe:
-    """What a recipe puts in which format. k_format: "bf16" (not quantized), "e4m3" (MXFP8), or
-    "nvfp4" / "mxfp4" (FP4 K). Q and V are MXFP8 in every quantized recipe (every query tile re-reads
-    all of K: K is where FP4's bytes pay); Q is always per token (a scale shared along its rows leaks)."""
+    """What a recipe puts in which format, and which kernels compute it. k_format: "bf16" (not
+    quantized), "e4m3" (MXFP8), or "nvfp4" / "mxfp4" (FP4 K). Q and V are MXFP8 in every quantized
+    recipe (every query tile re-reads all of K: K is where FP4's bytes pay); Q is always per token (a
+    scale shared along its rows leaks). The tensors its quantizers write: operand_slots (section 6).
+    A new recipe is its row in _RECIPES, its quantizer (section 3) and its rounding in the oracle."""
     name: str
     k_format: str
-    e8m0_scales: bool  # all scales E8M0 (no E4M3 ones): what tl.dot_scaled takes (Blackwell's MX MMA)
+    backends: tuple  # the backends that compute it: "tl" every recipe; "dot_scaled" needs every scale
+    # E8M0 (what tl.dot_scaled takes: Blackwell's MX MMA); "gluon" flamia_hopper.py's kernels
 
     @property
     def quantized(self) -> bool:
@@ -167,8 +170,9 @@ class Recipe:
         return self.k_format in ("nvfp4", "mxfp4")
 
 
-_RECIPES = {r.name: r for r in (Recipe("bf16", "bf16", False), Recipe("mxfp8", "e4m3", True),
-                                Recipe("nvfp4", "nvfp4", False), Recipe("mxfp4", "mxfp4", True))}
+_RECIPES = {r.name: r for r in (Recipe("bf16", "bf16", ("tl", "gluon")),
+                                Recipe("mxfp8", "e4m3", ("tl", "dot_scaled", "gluon")),
+                                Recipe("nvfp4", "nvfp4", ("tl",)), Recipe("mxfp4", "mxfp4", ("tl", "dot_scaled")))}
 RECIPES = tuple(_RECIPES)
 BACKENDS = ("tl", "dot_scaled", "gluon")  # tl: portable tl.dot (wgmma on Hopper)
 
@@ -938,17 +942,17 @@ def attention_fp64(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True, sof
 # MMA), with the widest key tiles that compile without spills; the H200's dK/dV tiles spill there:
 # 64 keys.
 class Tiles(NamedTuple):
-    fwd: dict  # recipe -> (BLOCK_M, BLOCK_N, MASKED_N, num_warps, num_stages) of the tl.dot forward
-    fwd_sm100: dict  # the same, tl.dot_scaled forward on Blackwell
+    fwd: dict  # K's operand (Variant.k_operand) -> (BLOCK_M, BLOCK_N, MASKED_N, num_warps, num_stages)
+    fwd_sm100: dict  # of the tl.dot forward; the same, tl.dot_scaled forward on Blackwell
     dkdv: tuple  # (BLOCK_M, BLOCK_N, num_warps, num_stages) of dK/dV (query x key tiles) ...
     dkdv_sm100: tuple  # ... on Blackwell (tcgen05 needs >= 64 rows)
     dq: tuple  # the same, dQ (every GPU)
     dq_pair_stages: int  # dQ's stages with the per-pair safeguard (it streams K, V and their copies)
 
 
-_FWD_TILES = dict(bf16=(128, 128, 64, 8, 3), mxfp8=(64, 128, 32, 4, 3), nvfp4=(128, 64, 64, 8, 3),
-                  mxfp4=(128, 64, 64, 8, 3))
-_FWD_TILES_SM100 = dict(mxfp8=(128, 128, 32, 8, 3), mxfp4=(128, 32, 32, 8, 3))
+_FWD_TILES = dict(bf16=(128, 128, 64, 8, 3), e4m3=(64, 128, 32, 4, 3), fp4_decoded=(128, 64, 64, 8, 3),
+                  fp4_packed=(128, 64, 64, 8, 3))
+_FWD_TILES_SM100 = dict(e4m3=(128, 128, 32, 8, 3), fp4_packed=(128, 32, 32, 8, 3))
 TILES = {  # D=128, per pair: three stages of four bf16 key tiles need 256 KiB of shared memory (H200: 227)
     128: Tiles(_FWD_TILES, _FWD_TILES_SM100, (32, 128, 8, 3), (32, 64, 8, 1), (128, 64, 8, 3), 2),
     64: Tiles(_FWD_TILES, _FWD_TILES_SM100, (32, 128, 8, 3), (32, 64, 4, 1), (128, 64, 8, 3), 3),
@@ -1011,9 +1015,9 @@ def _backend_refusal(r: Recipe, backend: Optional[str]) -> Optional[str]:
     """Why `backend` can compute no call of recipe r here (None: it may compute some)."""
     if backend == "gluon" and gluon_unavailable_reason():
         return f"backend='gluon' is not available here: {gluon_unavailable_reason()}"
-    if backend == "dot_scaled" and not r.e8m0_scales:
-        return (f"backend='dot_scaled' is for recipe='mxfp8' or 'mxfp4', got recipe={r.name!r} "
-                f"(tl.dot_scaled takes no E4M3 block scales)")
+    if backend is not None and backend not in r.backends:
+        served = " or ".join(repr(n) for n, x in _RECIPES.items() if backend in x.backends)
+        return f"backend={backend!r} is for recipe={served}, got recipe={r.name!r} (Recipe.backends)"
     return None
 
 
@@ -1034,13 +1038,13 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
     # such tiles cannot compute this call (None: it can, as far as the plan tells)
     gluon_fwd = lambda: (flamia_hopper.BLOCK_M, 128, 128, None, None)
     gluon_dkdv = lambda: (flamia_hopper.bwd_block_m(D, copies), flamia_hopper.BWD_BLOCK_N, None, None)
-    gluon_refusal = lambda tiles: gluon_unavailable_reason() or (plan and flamia_hopper.unsupported_reason(
-        recipe, x.dtype, D, mode(tiles()[:2])))
+    gluon_refusal = lambda tiles: (gluon_unavailable_reason() or ("gluon" not in r.backends and f"recipe={recipe!r}")
+                                   or (plan and flamia_hopper.unsupported_reason(x.dtype, D, mode(tiles()[:2]))))
     blackwell = _is_blackwell(x)
     refusal = _backend_refusal(r, backend)
     gluon_bwd = not deterministic and backend in (None, "gluon") and plan is not None
     if backend is None:
-        backend = "dot_scaled" if r.e8m0_scales and blackwell else "tl"
+        backend = "dot_scaled" if "dot_scaled" in r.backends and blackwell else "tl"
         if (recipe == "mxfp8" and block_tokens % 128 == 0 and D == 128 and x.is_cuda
                 and torch.cuda.get_device_capability(x.device)[0] == 9):
             why = gluon_refusal(gluon_fwd)  # asked only where it decides (variant runs every call)
@@ -1055,13 +1059,13 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
     if refusal:
         return Variant(r, backend, refusal)
     tma = backend == "dot_scaled" and blackwell
-    fwd = gluon_fwd() if backend == "gluon" else (row.fwd_sm100 if tma else row.fwd)[recipe]
+    k_operand = ("bf16" if not r.quantized else "e4m3" if not r.k_fp4 else
+                 "fp4_packed" if backend == "dot_scaled" else "fp4_decoded")
+    fwd = gluon_fwd() if backend == "gluon" else (row.fwd_sm100 if tma else row.fwd)[k_operand]
     dkdv, dq = (row.dkdv_sm100 if blackwell else row.dkdv), row.dq
     modes = (mode(fwd[:3]), mode(dkdv[:2]), mode(dq[:2]))
     if modes[2] == "pair":
         dq = (*dq[:3], row.dq_pair_stages)
-    k_operand = ("bf16" if not r.quantized else "e4m3" if not r.k_fp4 else
-                 "fp4_packed" if backend == "dot_scaled" else "fp4_decoded")
     bwd = "tl"
     if gluon_bwd and not gluon_refusal(gluon_dkdv):  # dQ's adds in no fixed order: not deterministic
         bwd, dkdv, modes = "gluon", gluon_dkdv(), (modes[0], mode(gluon_dkdv()[:2]), None)
@@ -1516,8 +1520,7 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
     if not var.recipe.quantized:
         ops = ops._replace(q=q.contiguous(), k=k.contiguous(), v_t=v.contiguous())
     if var.backend == "gluon":
-        kw = dict(softmax_scale=softmax_scale, causal=causal, recipe=var.recipe.name,
-                  block_tokens=block_tokens)
+        kw = dict(softmax_scale=softmax_scale, causal=causal, block_tokens=block_tokens)
         if not var.recipe.quantized:
             return flamia_hopper.attn_fwd(ops.q, None, ops.k, None, ops.v_t, None, o, lse, tiles, **kw)
         per_token = ((ops.k_tok, ops.k_tok_exp, ops.v_tok_t, ops.v_tok_exp) if var.modes[0] == "tile"
@@ -1788,7 +1791,8 @@ def _attn_bwd_dq(
     n_full, n_end = _key_range(tile, BLOCK_N, BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
     k_row = (tile.other_start * HK + hk) * D
     K, V, KS, VS = K + k_row, V + k_row, KS + k_row, VS + k_row
-    K_SCALE = K_SCALE + hk * T_K + tile.other_start
+    if K_SCALED:
+        K_SCALE = K_SCALE + hk * T_K + tile.other_start
     sm_scale_log2 = sm_scale * 1.4426950408889634
     dq = tl.zeros((BLOCK_M, D), tl.float32)
     for start_n in range(0, n_full, BLOCK_N):
@@ -1810,7 +1814,7 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
     (Tq, H, D), (Tk, HK) = q.shape, k.shape[:2]
     r, do, dtype, tile_safeguard = var.recipe, do.contiguous(), q.dtype, var.modes[1] == "tile"
     delta = _delta(o, do)
-    k_scale = ops.k_exp if r.k_fp4 else delta  # FP4 K's second level; unused unless K_SCALED
+    k_scale = ops.k_exp if r.k_fp4 else None  # FP4 K's second level (K_SCALED)
     deq = lambda side, *mxfp8: _dequantize(MXFP8(*mxfp8), dtype, plan, side)
     # the Gluon backward dequantizes MXFP8 K, V itself: no copies (except beside the tile safeguard's)
     fp8_kv = (ops.k, ops.k_exp, ops.v_t, ops.v_exp) if (
@@ -1854,18 +1858,37 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
 # or build one (one host sync). The forward's quantized operands leave the op as outputs that
 # autograd saves for the backward:
 class Operands(NamedTuple):
-    """Unused slots are empty tensors (custom-op outputs can be neither None nor aliases of each other)."""
-    q: torch.Tensor  # (Tq, H, D) E4M3
-    q_exp: torch.Tensor  # (H, Tq_pad) uint8 E8M0, per token; *_pad: the padded token layout
-    k: torch.Tensor  # mxfp8: (Tk, Hk, D) E4M3; FP4: (Tk, Hk, D/2) uint8, two E2M1 per byte
-    k_exp: torch.Tensor  # mxfp8: (Hk, Tk_pad) uint8 E8M0 per block; FP4: (Hk, Tk) fp32 2nd level
-    k_block: torch.Tensor  # FP4: block scales, (Tk, Hk, D/16) E4M3 or (Tk, Hk, D/32) E8M0
+    """Shapes and dtypes: operand_slots. Unused slots are empty tensors (custom-op outputs can be
+    neither None nor aliases of each other)."""
+    q: torch.Tensor  # E4M3, per token ...
+    q_exp: torch.Tensor  # ... and its E8M0 exponents, in the padded token layout (padded_columns)
+    k: torch.Tensor  # E4M3 (mxfp8) or two E2M1 per byte (FP4)
+    k_exp: torch.Tensor  # mxfp8: E8M0 per block; FP4: the fp32 second level, per token
+    k_block: torch.Tensor  # FP4: block scales along the head dim
     k_tok: torch.Tensor  # mxfp8 with the safeguard: K quantized per token ...
     k_tok_exp: torch.Tensor  # ... and its exponents
-    v_t: torch.Tensor  # (Hk, D, Tk_pad) E4M3, token-transposed
-    v_exp: torch.Tensor  # (Hk, Tk_pad) uint8 E8M0 per block
+    v_t: torch.Tensor  # E4M3, token-transposed
+    v_exp: torch.Tensor  # E8M0 per block
     v_tok_t: torch.Tensor  # with the safeguard: V quantized per token, token-transposed ...
     v_tok_exp: torch.Tensor  # ... and its exponents
+
+
+def operand_slots(recipe: Recipe, q_shape, k_shape, q_pad: int, k_pad: int, copies: bool) -> Operands:
+    """(shape, dtype) of every Operands slot a call of `recipe` fills, None where unused: what the
+    quantizers write, and what torch.compile's fake forward (_fwd_fake) returns without running them.
+    q_pad, k_pad: the padded token layouts' widths (padded_tokens); copies: the safeguard's."""
+    (Tq, H, D), (Tk, HK) = q_shape, k_shape[:2]
+    if not recipe.quantized:
+        return Operands(*(None for _ in Operands._fields))
+    f8, u8, f32 = torch.float8_e4m3fn, torch.uint8, torch.float32
+    if recipe.k_fp4:  # two E2M1 per byte, the per-token second level, block scales (NVFP4's E4M3)
+        block = ((Tk, HK, D // NVFP4_BLOCK), f8) if recipe.k_format == "nvfp4" else ((Tk, HK, D // MXFP4_BLOCK), u8)
+        k = (((Tk, HK, D // 2), u8), ((HK, Tk), f32), block)
+    else:
+        k = (((Tk, HK, D), f8), ((HK, k_pad), u8), None)
+    v = (((HK, D, k_pad), f8), ((HK, k_pad), u8))
+    k_tok = k[:2] if copies and not recipe.k_fp4 else (None, None)  # FP4 K is per token: no copy
+    return Operands(((Tq, H, D), f8), ((H, q_pad), u8), *k, *k_tok, *v, *(v if copies else (None, None)))
 
 
 def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, copies: bool,
@@ -1889,8 +1912,8 @@ def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, c
         k_tok = (k8.tok.data, k8.tok.exp) if copies else (None, None)
         k_parts = (k8.data, k8.exp, None, *k_tok)
     if quantize_q:
-        q8 = MXFP8(q.new_empty(q.shape, dtype=torch.float8_e4m3fn),
-                   q.new_empty(q.shape[1], plan.padded_q, dtype=torch.uint8))
+        q8 = MXFP8(*(q.new_empty(shape, dtype=dtype) for shape, dtype in
+                     operand_slots(recipe, q.shape, k.shape, plan.padded_q, plan.padded_k, copies)[:2]))
     elif q8 is None:  # cross-attention: Q follows other documents, its own launch
         q8 = quantize_mxfp8(q, plan, 1, "q")
     v_tok = (v8.tok.data_t, v8.tok.exp) if copies else (None, None)
@@ -1951,22 +1974,12 @@ def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: t
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale, recipe, block_tokens,
               safeguard, backend, check_finite):
     """The forward op's outputs as torch.compile's fake tensors: o, lse and every slot of Operands."""
-    (Tq, H, D), (Tk, HK) = q.shape, k.shape[:2]
-    r = _RECIPES[recipe]
-    q_pad, k_pad = (padded_tokens(t, cu_seqlens_k.shape[0] - 1) for t in (Tq, Tk))
-    copies = _token_copies(r, causal, safeguard, block_tokens)  # the safeguard's per-token copies
-    f8, u8, f32 = torch.float8_e4m3fn, torch.uint8, torch.float32
-    unused = ((0,), f32)
-    n_blocks, block_dtype = (D // NVFP4_BLOCK, f8) if r.k_format == "nvfp4" else (D // MXFP4_BLOCK, u8)
-    k = ([((Tk, HK, D // 2), u8), ((HK, Tk), f32), ((Tk, HK, n_blocks), block_dtype)] if r.k_fp4
-         else [((Tk, HK, D), f8), ((HK, k_pad), u8), unused])
-    k_tok = k[:2] if copies and not r.k_fp4 else [unused, unused]
-    v = [((HK, D, k_pad), f8), ((HK, k_pad), u8)]
-    v_tok = v if copies else [unused, unused]
-    layout = ([((Tq, H, D), f8), ((H, q_pad), u8), *k, *k_tok, *v, *v_tok] if r.quantized
-              else [unused] * len(Operands._fields))
-    return [torch.empty_like(q), q.new_empty(H, Tq, dtype=torch.float32),
-            *(q.new_empty(shape, dtype=dtype) for shape, dtype in layout)]
+    r, n_docs = _RECIPES[recipe], cu_seqlens_k.shape[0] - 1
+    slots = operand_slots(r, q.shape, k.shape, *(padded_tokens(x.shape[0], n_docs) for x in (q, k)),
+                          _token_copies(r, causal, safeguard, block_tokens))
+    return [torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32),
+            *(q.new_empty(slot[0], dtype=slot[1]) if slot else q.new_empty(0, dtype=torch.float32)
+              for slot in slots)]
 
 
 def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,

@@ -567,9 +567,9 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, ks_desc, vs_desc, EQ, EK, EV, EKS, 
 BLOCK_M = 128  # query rows per CTA (2 warpgroups x 64): the Plan's tile table must use this
 
 
-def default_config(recipe: str, D: int) -> dict:
-    """BLOCK_N, STAGES. Shared memory: Q 2*64*D + STAGES*(K + V) tiles."""
-    if recipe == "bf16":
+def default_config(quant: bool, D: int) -> dict:
+    """BLOCK_N, STAGES (quant: MXFP8 operands, else bf16). Shared memory: Q 2*64*D + STAGES*(K + V) tiles."""
+    if not quant:
         return dict(BLOCK_N=128, STAGES=2 if D == 128 else 3)
     return dict(BLOCK_N=128, STAGES=4 if D == 128 else 5)
 
@@ -577,13 +577,12 @@ def default_config(recipe: str, D: int) -> dict:
 HEAD_DIMS = (64, 128)  # of both kernels: their tiles and shared-memory budgets are sized for these
 
 
-def unsupported_reason(recipe: str, dtype, head_dim: int, safeguard_mode: str):
-    """None when attn_fwd / attn_bwd compute this configuration (as validated on the H200), else why
-    not. safeguard_mode: flamia's "off", "tile" or "pair" for the kernel's tiles."""
+def unsupported_reason(dtype, head_dim: int, safeguard_mode: str):
+    """None when attn_fwd / attn_bwd compute this configuration of a recipe they serve (flamia's
+    Recipe.backends; as validated on the H200), else why not. safeguard_mode: flamia's "off", "tile"
+    or "pair" for the kernel's tiles."""
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} (the Gluon kernels have {HEAD_DIMS})"
-    if recipe not in ("mxfp8", "bf16"):
-        return f"recipe={recipe!r} (the Gluon forward has mxfp8 and bf16)"
     if dtype != torch.bfloat16:
         return f"{dtype} inputs (only bfloat16 was validated on the GPU)"
     if safeguard_mode == "pair":
@@ -611,8 +610,8 @@ def _desc(t, shape, strides, block):
 
 
 def attn_fwd(q_data, q_exp, k_data, k_exp, v_data, v_exp, o, lse, tiles, *, softmax_scale, causal,
-             recipe="mxfp8", block_tokens=1, per_token=None, v_len=None, config=None):
-    """Launch the Gluon forward on flamia's operands.
+             block_tokens=1, per_token=None, v_len=None, config=None):
+    """Launch the Gluon forward on flamia's operands: recipe mxfp8 where q_exp is given, else bf16.
 
     mxfp8: q_data (Tq, H, D) e4m3, q_exp (H, Tq_pad) u8; k_data (Tk, HK, D) e4m3, k_exp and v_exp
            (HK, Tk_pad) u8; v_data token-transposed (HK, D, Tk_pad) e4m3. Exponent rows and V^T
@@ -628,8 +627,8 @@ def attn_fwd(q_data, q_exp, k_data, k_exp, v_data, v_exp, o, lse, tiles, *, soft
     NaN byte times P = 0 is NaN."""
     Tq, H, D = q_data.shape
     Tk, HK = k_data.shape[:2]
-    quant = recipe == "mxfp8"
-    cfg = dict(default_config(recipe, D), **(config or {}))
+    quant = q_exp is not None
+    cfg = dict(default_config(quant, D), **(config or {}))
     BN, STAGES = cfg["BLOCK_N"], cfg["STAGES"]
     qd = _desc(q_data, (Tq, H * D), (H * D, 1), (64, D))
     kd = _desc(k_data, (Tk, HK * D), (HK * D, 1), (BN, D))

@@ -11,7 +11,6 @@ prints the max / mean absolute difference (and the relative L2 error where a tol
     python -m pytest -q test_flamia.py            (the README / CI command)
 """
 import contextlib
-import csv
 import functools
 import itertools
 import json
@@ -1099,6 +1098,9 @@ TOL = _CPU_TOL if DEVICE == "cpu" else _CUDA_TOL
 
 def tol(kind, recipe=None, D=64):
     t = TOL[kind]
+    if recipe is not None and recipe not in t:  # a recipe added to flamia._RECIPES: measure it first
+        pytest.fail(f"no {kind} tolerance for recipe {recipe!r} (measured: {sorted(t)}): measure it and add "
+                    f"it to TOL in test_flamia.py")
     t = t[recipe] if recipe is not None else t
     if isinstance(t, dict) and D not in t:  # a head dim added to flamia.HEAD_DIMS: measure it first
         pytest.fail(f"no {kind} tolerance for head_dim {D} (measured: {sorted(t)}): measure it and add it to "
@@ -1527,8 +1529,8 @@ def _grid():
     cases = []
     for backend, why in _grid_backends():
         for recipe in flamia.RECIPES:
-            if backend == "dot_scaled" and not flamia._RECIPES[recipe].e8m0_scales:
-                continue  # refused: tl.dot_scaled takes no E4M3 block scales (test_api_rejects_bad_inputs)
+            if backend not in flamia._RECIPES[recipe].backends:
+                continue  # refused (test_api_rejects_bad_inputs, test_gluon_refuses_what_it_does_not_compute)
             for bt in flamia.BLOCK_TOKENS:
                 for D in flamia.HEAD_DIMS:
                     for causal in (True, False):
@@ -1570,12 +1572,34 @@ def test_configuration_grid(backend, recipe, bt, D, causal, safeguard):
 
 
 def test_a_head_dim_without_measured_tolerances_fails_by_name():
-    """The grid iterates flamia.HEAD_DIMS; a head dim added there before its tolerances are measured
-    fails each case with a message saying what to add, not with a KeyError."""
+    """The grid iterates flamia.HEAD_DIMS and recipes; a head dim or recipe added before its tolerances
+    are measured fails each case with a message saying what to add, not with a KeyError."""
     assert all(tol(kind, recipe, D) > 0 for kind in ("o", "grad") for recipe in flamia.RECIPES
                for D in flamia.HEAD_DIMS)
     with pytest.raises(pytest.fail.Exception, match=r"no o tolerance for head_dim 256 .* add it to _per_d"):
         tol("o", "mxfp8", 256)
+    with pytest.raises(pytest.fail.Exception, match=r"no grad tolerance for recipe 'mxfp6' .* add it to TOL"):
+        tol("grad", "mxfp6")
+
+
+def test_a_recipe_is_its_record(monkeypatch):
+    """A recipe in an existing K format is its Recipe row and nothing else (the tiles, operand slots,
+    refusals and the oracle read the record, never the name): a throwaway row, mxfp8 through the tl
+    kernels only, gives bitwise recipe="mxfp8"'s outputs, LSE and gradients (with the safeguard's
+    copies: block_tokens=32) and oracle, and a backend it does not list is refused by name."""
+    mxfp8 = flamia._RECIPES["mxfp8"]
+    monkeypatch.setitem(flamia._RECIPES, "mxfp8_tl", flamia.Recipe("mxfp8_tl", mxfp8.k_format, ("tl",)))
+    q, k, v = qkv(71, sum(LENS_FWD))
+    do = randn(torch.Generator().manual_seed(72), sum(LENS_FWD), 4, 64)
+    kw = dict(causal=True, block_tokens=32)
+    runs = {recipe: (*_fwd_bwd(q, k, v, LENS_FWD, do, recipe=recipe, backend="tl", deterministic=True, **kw),
+                     flamia.reference_attention(q, k, v, cu_of(LENS_FWD), recipe=recipe, **kw))
+            for recipe in ("mxfp8", "mxfp8_tl")}
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "oracle"), runs["mxfp8"], runs["mxfp8_tl"]):
+        assert_bitwise(b, a, f"recipe mxfp8_tl vs mxfp8: {name}")
+    with pytest.raises(ValueError, match=r"backend='dot_scaled' is for recipe='mxfp8' or 'mxfp4', got "
+                                         r"recipe='mxfp8_tl' \(Recipe.backends\)"):
+        api(q, k, v, LENS_FWD, recipe="mxfp8_tl", backend="dot_scaled")
 
 
 def _outlier_channels(q, k):
