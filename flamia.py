@@ -1304,12 +1304,14 @@ def _quantize_query_tile(XQ, stride_t, stride_h, Q, EQ, tile, h, offs_m, T_QPAD,
 
 
 @triton.jit
-def _kv_pointers(K, KB, EK, V, EV, KS, EKS, VS, EVS, tile, hk, HK, T_K, T_KPAD, stride_vh, stride_vt,
-                 D: tl.constexpr, K_OPERAND: tl.constexpr):
-    """Pointers at the key document's first key and this K/V head: kv = (K, EK, V, EV), the
-    safeguard's per-token copies kv_tok = (KS, EKS, VS, EVS), FP4's block scales KB, and V's length
-    v_len (token-transposed fp8 V and E8M0 rows: in the padded token layout from OTHER_PAD,
-    zero-padded to a multiple of 16)."""
+def _kv_pointers(kv, kv_tok, KB, tile, hk, HK, T_K, T_KPAD, stride_vh, stride_vt, D: tl.constexpr,
+                 K_OPERAND: tl.constexpr):
+    """kv = (K, EK, V, EV), the safeguard's per-token copies kv_tok = (KS, EKS, VS, EVS) and FP4's
+    block scales KB, moved to the key document's first key and this K/V head, and V's length v_len
+    (token-transposed fp8 V and E8M0 rows: in the padded token layout from OTHER_PAD, zero-padded to
+    a multiple of 16)."""
+    K, EK, V, EV = kv
+    KS, EKS, VS, EVS = kv_tok
     kd_start, v_base, v_len = tile.other_start, tile.other_start, tile.k_len
     if K_OPERAND != "bf16":
         v_base = tl.multiple_of(tl.load(tile.row + OTHER_PAD), 16)
@@ -1386,7 +1388,7 @@ def _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, kv, kv_tok, k_len, 
 
 @triton.jit
 def _attn_fwd(
-        Q, EQ, K, KB, EK, V, EV, KS, EKS, VS, EVS,  # operands (see _attn_forward); *S: per token
+        Q, EQ, kv, KB, kv_tok,  # operands (_attn_forward): kv = (K, EK, V, EV), kv_tok: per token
         O, LSE, TILES,  # outputs (Tq, H, D) and (H, Tq) natural-log LSE; the Plan's query tiles
         stride_vh, stride_vd, stride_vt,  # V: token-transposed (H, D, T_pad) if fp8, else (T, H, D)
         sm_scale_log2, T_Q, T_K, H, HK,  # softmax scale * log2(e); token and head counts
@@ -1411,8 +1413,8 @@ def _attn_fwd(
             qscale *= _exp2_int(_q_exponents(EQ, tile, h, T_QPAD, BLOCK_M, False))
     if K_OPERAND == "fp4_decoded":  # K is bf16: E4M3 -> bf16 is exact
         q = q.to(tl.bfloat16)
-    kv, kv_tok, KB, v_len = _kv_pointers(K, KB, EK, V, EV, KS, EKS, VS, EVS, tile, hk, HK, T_K, T_KPAD,
-                                         stride_vh, stride_vt, D, K_OPERAND)
+    kv, kv_tok, KB, v_len = _kv_pointers(kv, kv_tok, KB, tile, hk, HK, T_K, T_KPAD, stride_vh, stride_vt, D,
+                                         K_OPERAND)
     state = _fwd_state(BLOCK_M, D)
     n_full, n_end = _key_range(tile, BLOCK_N, BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
     ONE_SCALE: tl.constexpr = K_OPERAND == "e4m3" and BLOCK_TOKENS % BLOCK_N == 0  # (_key_scales)
@@ -1467,7 +1469,7 @@ def _attn_fwd_blackwell_step(state, ek, ev, q, q_e8, qscale, pos_q, start_n, kv,
 
 
 @triton.jit
-def _attn_fwd_blackwell(Q, EQ, K, KB, EK, V, EV, KS, EKS, VS, EVS, O, LSE, TILES,  # as _attn_fwd's
+def _attn_fwd_blackwell(Q, EQ, kv, KB, kv_tok, O, LSE, TILES,  # as _attn_fwd's
         stride_vh, stride_vd, stride_vt, sm_scale_log2, T_Q, T_K, H, HK, T_QPAD, T_KPAD,
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED_N: tl.constexpr,
         BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, K_OPERAND: tl.constexpr,
@@ -1482,8 +1484,8 @@ def _attn_fwd_blackwell(Q, EQ, K, KB, EK, V, EV, KS, EKS, VS, EVS, O, LSE, TILES
                     mask=qmask[:, None], other=0.0)
     qscale = tl.full((BLOCK_M,), sm_scale_log2, tl.float32)  # the MMA applies Q's scale
     q_e8 = _e8m0_blocks(_q_exponents(EQ, tile, h, T_QPAD, BLOCK_M, True), D)
-    kv, kv_tok, KB, v_len = _kv_pointers(K, KB, EK, V, EV, KS, EKS, VS, EVS, tile, hk, HK, T_K, T_KPAD,
-                                         stride_vh, stride_vt, D, K_OPERAND)
+    kv, kv_tok, KB, v_len = _kv_pointers(kv, kv_tok, KB, tile, hk, HK, T_K, T_KPAD, stride_vh, stride_vt, D,
+                                         K_OPERAND)
     n_full, n_end = _key_range(tile, BLOCK_N, BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
     state = _fwd_state(BLOCK_M, D)
     kv_full = kv
@@ -1535,7 +1537,7 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
               else ops.k)
     k_tok = (ops.k_tok, ops.k_tok_exp) if var.copies and not var.recipe.k_fp4 else (k_data, ops.k_exp)
     v_tok = (ops.v_tok_t, ops.v_tok_exp) if var.copies else (ops.v_t, ops.v_exp)
-    operands = (ops.q, ops.q_exp, k_data, ops.k_block, ops.k_exp, ops.v_t, ops.v_exp, *k_tok, *v_tok)
+    operands = (ops.q, ops.q_exp, (k_data, ops.k_exp, ops.v_t, ops.v_exp), ops.k_block, (*k_tok, *v_tok))
     if var.tma and q.is_cuda:  # TMA descriptors' global scratch: where Triton launches (device, stream)
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     xq = q if q.stride(-1) == 1 else q.contiguous()  # read by the kernel with var.quantize_q
