@@ -1656,12 +1656,14 @@ def _query_rows(LSE, DELTA, offs_m, end):
 
 
 @triton.jit
-def _attn_bwd_dkdv_step(dk, dv, lse2, delta, k, v, ks, vs, kscale, pos_k, start_m, Q, DO, LSE, DELTA, q_len,
-                        shift, H, sm_scale_log2, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, K_SCALED: tl.constexpr,
-                        MASKED: tl.constexpr, PAIR_SAFEGUARD: tl.constexpr):
-    """One query tile at document-local row start_m (pointers at the document start and query
-    head); its LSE and Delta arrive loaded one step ahead, as the forward's scales."""
+def _attn_bwd_dkdv_step(dk, dv, lse2, delta, k, v, ks, vs, kscale, pos_k, start_m, rows, q_len, shift, H,
+                        sm_scale_log2, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+                        CAUSAL: tl.constexpr, K_SCALED: tl.constexpr, MASKED: tl.constexpr,
+                        PAIR_SAFEGUARD: tl.constexpr):
+    """One query tile at document-local row start_m (rows = (Q, DO, LSE, DELTA): pointers at the
+    document start and query head); its LSE and Delta arrive loaded one step ahead, as the forward's
+    scales."""
+    Q, DO, LSE, DELTA = rows
     offs_m = start_m + tl.arange(0, BLOCK_M)
     qmask = offs_m < q_len
     lse2_next, delta_next = _query_rows(LSE, DELTA, offs_m + BLOCK_M, q_len)
@@ -1692,11 +1694,13 @@ def _attn_bwd_dkdv_step(dk, dv, lse2, delta, k, v, ks, vs, kscale, pos_k, start_
 
 @triton.jit
 def _attn_bwd_dkdv(
-        Q, K, V, KS, VS, K_SCALE, DO, LSE, DELTA,  # (T, H, D) operands; FP4 K's (Hk, Tk) factor
-        DK, DV, TILES,  # outputs (Tk, Hk, D); the Plan's key tiles
+        rows, keys,  # (Q, DO, LSE, DELTA): (T, H, D), LSE, Delta (H, T); (K, V, KS, VS, K_SCALE):
+        DK, DV, TILES,  # (T, Hk, D), FP4 K's (Hk, Tk) factor; outputs (Tk, Hk, D); the Plan's key tiles
         sm_scale, T_Q, T_K, H, HK,
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
         CAUSAL: tl.constexpr, SAFEGUARD: tl.constexpr, K_SCALED: tl.constexpr):
+    Q, DO, LSE, DELTA = rows
+    K, V, KS, VS, K_SCALE = keys
     tile, hk = _tile_row(TILES, tl.program_id(0), False), tl.program_id(1)
     qd_start, q_len, shift = tile.other_start, tile.q_len, tile.shift
     offs_n = tile.start + tl.arange(0, BLOCK_N)
@@ -1720,34 +1724,34 @@ def _attn_bwd_dkdv(
     sm_scale_log2 = sm_scale * 1.4426950408889634
     dk, dv = tl.zeros((BLOCK_N, D), tl.float32), tl.zeros((BLOCK_N, D), tl.float32)
     for hq in range(hk * (H // HK), (hk + 1) * (H // HK)):  # GQA: sum over this K/V head's queries
-        Qh, DOh = Q + (qd_start * H + hq) * D, DO + (qd_start * H + hq) * D
-        LSEh, DELTAh = LSE + hq * T_Q + qd_start, DELTA + hq * T_Q + qd_start
-        lse2, delta = _query_rows(LSEh, DELTAh, q_lo + tl.arange(0, BLOCK_M), q_len)
+        rows_h = (Q + (qd_start * H + hq) * D, DO + (qd_start * H + hq) * D, LSE + hq * T_Q + qd_start,
+                  DELTA + hq * T_Q + qd_start)
+        lse2, delta = _query_rows(rows_h[2], rows_h[3], q_lo + tl.arange(0, BLOCK_M), q_len)
         for start_m in range(q_lo, q_mid, BLOCK_M):  # the three loops walk one tile sequence
             dk, dv, lse2, delta = _attn_bwd_dkdv_step(
-                dk, dv, lse2, delta, k_diag, v_diag, ks, vs, kscale, pos_k, start_m, Qh, DOh, LSEh,
-                DELTAh, q_len, shift, H, sm_scale_log2, D, BLOCK_M, BLOCK_TOKENS, CAUSAL, K_SCALED,
-                MASKED=True, PAIR_SAFEGUARD=SAFEGUARD == "pair")
+                dk, dv, lse2, delta, k_diag, v_diag, ks, vs, kscale, pos_k, start_m, rows_h, q_len, shift, H,
+                sm_scale_log2, D, BLOCK_M, BLOCK_TOKENS, CAUSAL, K_SCALED, MASKED=True,
+                PAIR_SAFEGUARD=SAFEGUARD == "pair")
         for start_m in range(q_mid, q_full, BLOCK_M):
             dk, dv, lse2, delta = _attn_bwd_dkdv_step(
-                dk, dv, lse2, delta, k, v, ks, vs, kscale, pos_k, start_m, Qh, DOh, LSEh, DELTAh,
-                q_len, shift, H, sm_scale_log2, D, BLOCK_M, BLOCK_TOKENS, CAUSAL, K_SCALED,
-                MASKED=False, PAIR_SAFEGUARD=False)
+                dk, dv, lse2, delta, k, v, ks, vs, kscale, pos_k, start_m, rows_h, q_len, shift, H,
+                sm_scale_log2, D, BLOCK_M, BLOCK_TOKENS, CAUSAL, K_SCALED, MASKED=False, PAIR_SAFEGUARD=False)
         for start_m in range(tl.maximum(q_full, q_mid), q_len, BLOCK_M):
             dk, dv, lse2, delta = _attn_bwd_dkdv_step(
-                dk, dv, lse2, delta, k, v, ks, vs, kscale, pos_k, start_m, Qh, DOh, LSEh, DELTAh,
-                q_len, shift, H, sm_scale_log2, D, BLOCK_M, BLOCK_TOKENS, CAUSAL, K_SCALED,
-                MASKED=True, PAIR_SAFEGUARD=False)
+                dk, dv, lse2, delta, k, v, ks, vs, kscale, pos_k, start_m, rows_h, q_len, shift, H,
+                sm_scale_log2, D, BLOCK_M, BLOCK_TOKENS, CAUSAL, K_SCALED, MASKED=True, PAIR_SAFEGUARD=False)
     tl.store(DK + ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=kmask[:, None])
     tl.store(DV + ptrs, dv.to(DV.dtype.element_ty), mask=kmask[:, None])
 
 
 @triton.jit
-def _attn_bwd_dq_step(dq, q, do, lse2, delta, pos_q, start_n, K, V, KS, VS, K_SCALE, k_len, HK,
-                      sm_scale_log2, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr, K_SCALED: tl.constexpr,
-                      MASKED: tl.constexpr, PAIR_SAFEGUARD: tl.constexpr):
-    """One key tile at document-local offset start_n (pointers at the document start and head)."""
+def _attn_bwd_dq_step(dq, q, do, lse2, delta, pos_q, start_n, keys, k_len, HK, sm_scale_log2,
+                      D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+                      CAUSAL: tl.constexpr, K_SCALED: tl.constexpr, MASKED: tl.constexpr,
+                      PAIR_SAFEGUARD: tl.constexpr):
+    """One key tile at document-local offset start_n (keys = (K, V, KS, VS, K_SCALE): pointers at
+    the document start and head)."""
+    K, V, KS, VS, K_SCALE = keys
     offs_n = start_n + tl.arange(0, BLOCK_N)
     kmask = offs_n < k_len
     k = _load_keys(K, start_n, k_len, HK * D, D, BLOCK_N)
@@ -1780,11 +1784,13 @@ def _attn_bwd_dq_step(dq, q, do, lse2, delta, pos_q, start_n, K, V, KS, VS, K_SC
 
 @triton.jit
 def _attn_bwd_dq(
-        Q, K, V, KS, VS, K_SCALE, DO, LSE, DELTA,  # as in _attn_bwd_dkdv
+        rows, keys,  # as in _attn_bwd_dkdv
         DQ, TILES,  # output (Tq, H, D); the Plan's query tiles
         sm_scale, T_Q, T_K, H, HK,
         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
         CAUSAL: tl.constexpr, SAFEGUARD: tl.constexpr, K_SCALED: tl.constexpr):
+    Q, DO, LSE, DELTA = rows
+    K, V, KS, VS, K_SCALE = keys
     tile, h, hk, offs_m, qmask, pos_q = _query_tile(TILES, H, HK, BLOCK_M)
     ptrs = (offs_m[:, None] * H + h) * D + tl.arange(0, D)[None, :]
     q = tl.load(Q + ptrs, mask=qmask[:, None], other=0.0)
@@ -1798,13 +1804,13 @@ def _attn_bwd_dq(
     sm_scale_log2 = sm_scale * 1.4426950408889634
     dq = tl.zeros((BLOCK_M, D), tl.float32)
     for start_n in range(0, n_full, BLOCK_N):
-        dq = _attn_bwd_dq_step(dq, q, do, lse2, delta, pos_q, start_n, K, V, KS, VS, K_SCALE, tile.k_len,
+        dq = _attn_bwd_dq_step(dq, q, do, lse2, delta, pos_q, start_n, (K, V, KS, VS, K_SCALE), tile.k_len,
                                HK, sm_scale_log2, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, K_SCALED,
                                MASKED=False, PAIR_SAFEGUARD=False)
     if SAFEGUARD == "tile":  # the masked key tiles all lie in this query tile's block
         K, V = KS, VS
     for start_n in range(n_full, n_end, BLOCK_N):
-        dq = _attn_bwd_dq_step(dq, q, do, lse2, delta, pos_q, start_n, K, V, KS, VS, K_SCALE, tile.k_len,
+        dq = _attn_bwd_dq_step(dq, q, do, lse2, delta, pos_q, start_n, (K, V, KS, VS, K_SCALE), tile.k_len,
                                HK, sm_scale_log2, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, K_SCALED,
                                MASKED=True, PAIR_SAFEGUARD=SAFEGUARD == "pair")
     tl.store(DQ + ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=qmask[:, None])
@@ -1843,7 +1849,7 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
             (_attn_bwd_dq, (dq,), var.dq, "q", H, var.modes[2])):
         tiles = plan.tiles(BN if side == "k" else BM, side, causal)
         if tiles.shape[0] > 0:
-            kernel[(tiles.shape[0], heads)](q, k, v, ks, vs, k_scale, do, lse, delta, *outs, tiles,
+            kernel[(tiles.shape[0], heads)]((q, do, lse, delta), (k, v, ks, vs, k_scale), *outs, tiles,
                                             softmax_scale, Tq, Tk, H, HK, D=D, BLOCK_M=BM, BLOCK_N=BN,
                                             BLOCK_TOKENS=block_tokens, CAUSAL=causal, SAFEGUARD=mode,
                                             K_SCALED=r.k_fp4, num_warps=warps, num_stages=stages)
