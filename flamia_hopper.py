@@ -273,11 +273,10 @@ def _work_item(TILES, item, H, HK, BLOCK_N: gl.constexpr, BLOCK_TOKENS: gl.const
 # loader partition (1 warp): TMA into the ring
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
-def _loader(descs, ring, exps, TILES, T_KPAD, H, HK, n_items, D: gl.constexpr, BLOCK_N: gl.constexpr,
-            STAGES: gl.constexpr, BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, QUANT: gl.constexpr,
+def _loader(q_desc, k_desc, v_desc, ks_desc, vs_desc, ring, EK, EV, EKS, EVS, TILES, T_KPAD, H, HK,
+            n_items, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+            BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, QUANT: gl.constexpr,
             TILE_SAFEGUARD: gl.constexpr):
-    q_desc, k_desc, v_desc, ks_desc, vs_desc = descs
-    _, EK, EV, EKS, EVS = exps
     c0 = 0  # ring position of the item's first key tile: the ring runs on across items
     for t in range(_items_of_cta(n_items)):  # Q buffer t % 2
         tile, h, hk, v_base, n_kt, n_unmasked = _work_item(TILES, _item(t), H, HK, BLOCK_N, BLOCK_TOKENS,
@@ -319,8 +318,8 @@ def _loader(descs, ring, exps, TILES, T_KPAD, H, HK, n_items, D: gl.constexpr, B
                 # which hides their latency), staged as 2^(ek-127) fp32 and ev - 127 int32 so that
                 # the consumers do no global loads and no conversions.
                 _stage_scales(EK + col, EV + col, EKS + col, EVS + col, ring.sk_s.index(s),
-                              ring.ev_s.index(s), n0, kd_start + tile.k_len,
-                              TILE_SAFEGUARD and j >= n_unmasked, BLOCK_N)
+                              ring.ev_s.index(s), n0, kd_start + tile.k_len, TILE_SAFEGUARD and j >= n_unmasked,
+                              BLOCK_N)
                 _release(ring.sc_ready, c, STAGES)
         c0 += n_kt
 
@@ -406,9 +405,8 @@ def _issue_s(c, q, ring, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
                          use_acc=False, is_async=True)
 
 @gluon.jit
-def _step(j, c0, s, state, ek1, ev1, q, qscale, rows, ring, EKd, EVd, tile, BLOCK_N: gl.constexpr,
-          STAGES: gl.constexpr, CAUSAL: gl.constexpr, QUANT: gl.constexpr, MASKED: gl.constexpr,
-          LAST: gl.constexpr, ONE_SCALE: gl.constexpr):
+def _step(j, c0, s, state, ek1, ev1, q, qscale, rows, ring, EKd, EVd, tile, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+          QUANT: gl.constexpr, MASKED: gl.constexpr, LAST: gl.constexpr, ONE_SCALE: gl.constexpr):
     """Key tile j (ring position c0 + j), whose S_j is in registers: issue S_{j+1} (unless LAST),
     softmax(S_j) while it runs, O = alpha_j O + P_j V_j. Returns S_{j+1} (S_j when LAST), the new
     state (O, m, l, ref) and the next tile's ONE_SCALE exponents.
@@ -449,12 +447,10 @@ def _step(j, c0, s, state, ek1, ev1, q, qscale, rows, ring, EKd, EVd, tile, BLOC
     return s, (acc, m_i, l_i, ref_i), ek1, ev1
 
 @gluon.jit
-def _consumer(ring, exps, out, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK, n_items,
+def _consumer(ring, EQ, EK, EV, O, LSE, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK, n_items,
               WG: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, QUANT: gl.constexpr,
               TILE_SAFEGUARD: gl.constexpr, ONE_SCALE: gl.constexpr):
-    EQ, EK, EV, _, _ = exps
-    O, LSE = out
     dtype: gl.constexpr = ring.q_s.dtype
     s_layout: gl.constexpr = _mma_layout(dtype, BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(dtype, D)
@@ -522,13 +518,11 @@ def _consumer(ring, exps, out, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK,
 # the kernel
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
-def _attn_fwd_hopper(descs, exps, out, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK, n_items,
+def _attn_fwd_hopper(q_desc, k_desc, v_desc, ks_desc, vs_desc, EQ, EK, EV, EKS, EVS, O, LSE, TILES,
+                     sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK, n_items,
                      D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, QUANT: gl.constexpr,
                      TILE_SAFEGUARD: gl.constexpr):
-    """descs: TMA descriptors of Q, K, V and the safeguard's KS, VS; exps: the exponent rows of Q,
-    K, V, KS, VS; out: O, LSE (attn_fwd says what each holds)."""
-    q_desc, k_desc, v_desc, _, _ = descs
     # Q: two buffers x two warpgroups (64 rows each), so the next item's Q loads during this one
     q_s = gl.allocate_shared_memory(q_desc.dtype, [4] + q_desc.block_type.shape, q_desc.layout)
     k_s = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -555,12 +549,15 @@ def _attn_fwd_hopper(descs, exps, out, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD
     ONE_SCALE: gl.constexpr = QUANT and BLOCK_TOKENS % BLOCK_N == 0
     ring = Ring(q_s, k_s, v_s, sk_s, ev_s, q_bar, q_empty, k_ready, v_ready, sc_ready, kv_empty)
     gl.warp_specialize([
-        (_consumer, (ring, exps, out, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK, n_items, 0, D,
-                     BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, QUANT, TILE_SAFEGUARD, ONE_SCALE)),
-        (_consumer, (ring, exps, out, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK, n_items, 1, D,
-                     BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, QUANT, TILE_SAFEGUARD, ONE_SCALE)),
-        (_loader, (descs, ring, exps, TILES, T_KPAD, H, HK, n_items, D, BLOCK_N, STAGES, BLOCK_TOKENS,
-                   CAUSAL, QUANT, TILE_SAFEGUARD)),
+        (_consumer, (ring, EQ, EK, EV, O, LSE, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK,
+                     n_items, 0, D, BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, QUANT, TILE_SAFEGUARD,
+                     ONE_SCALE)),
+        (_consumer, (ring, EQ, EK, EV, O, LSE, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK,
+                     n_items, 1, D, BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, QUANT, TILE_SAFEGUARD,
+                     ONE_SCALE)),
+        (_loader, (q_desc, k_desc, v_desc, ks_desc, vs_desc, ring, EK, EV, EKS, EVS, TILES,
+                   T_KPAD, H, HK, n_items, D, BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, QUANT,
+                   TILE_SAFEGUARD)),
     ], [4, 1], [240, 24])
 
 
@@ -654,7 +651,7 @@ def attn_fwd(q_data, q_exp, k_data, k_exp, v_data, v_exp, o, lse, tiles, *, soft
     if n_items == 0:
         return o, lse
     ctas = min(n_items, _sm_count(o.device))  # persistent: one CTA per SM
-    _attn_fwd_hopper[(ctas,)]((qd, kd, vd, ksd, vsd), (EQ, EK, EV, eks, evs), (o, lse), tiles,
+    _attn_fwd_hopper[(ctas,)](qd, kd, vd, ksd, vsd, EQ, EK, EV, eks, evs, o, lse, tiles,
                               softmax_scale * 1.4426950408889634, Tq, EQ.shape[-1], EK.shape[-1],
                               H, HK, n_items,
                               D=D, BLOCK_N=BN, STAGES=STAGES, BLOCK_TOKENS=block_tokens,
@@ -752,11 +749,10 @@ def _stage_rows(LSEh, DELTAh, lse_slot, dl_slot, start_m, q_len, BLOCK_M: gl.con
     dl_slot.store(gl.load(DELTAh + offs, mask=m, other=0.0))
 
 @gluon.jit
-def _bwd_loader(descs, sm, stats, TILES, T_Q, H, HK, D: gl.constexpr, BLOCK_M: gl.constexpr,
-                STAGES: gl.constexpr, BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr,
-                TILE_SAFEGUARD: gl.constexpr, FP8_KV: gl.constexpr):
-    q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc = descs
-    LSE, DELTA = stats
+def _bwd_loader(q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, sm, LSE, DELTA, TILES, T_Q, H,
+                HK, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, TILE_SAFEGUARD: gl.constexpr,
+                FP8_KV: gl.constexpr):
     hk = gl.program_id(1)
     tile, q_lo, q_mid = _key_tile(TILES, BLOCK_M, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)
     k_start, qd_start, q_len = tile.start, tile.other_start, tile.q_len
@@ -788,14 +784,12 @@ def _bwd_loader(descs, sm, stats, TILES, T_Q, H, HK, D: gl.constexpr, BLOCK_M: g
             c += 1
 
 @gluon.jit
-def _dequantize_keys(fp8_kv, k_dst, v_dst, k0, k_end, p0, hk, HK, D: gl.constexpr):
+def _dequantize_keys(K8, V8T, EK, EV, k_dst, v_dst, k0, k_end, p0, hk, HK, T_KPAD, D: gl.constexpr):
     """FP8_KV: 64 keys [k0, k0 + 64) of K/V head hk from the forward's MXFP8 operands into the MMA's
     shared memory in bf16: E4M3 times 2^(e - 127), flamia's _dequantize_kernel (exact in bf16), in
-    place of its dequantized copies (their memory and their pass). fp8_kv = (K row-major (T, HK, D),
-    V token-transposed (HK, D, T_pad), their exponents (HK, T_pad), T_pad); key k0 is at padded
-    column p0. Keys past k_end are zeros where TMA read the next document's: masked (P = dS = 0)
-    either way."""
-    K8, V8T, EK, EV, T_KPAD = fp8_kv
+    place of its dequantized copies (their memory and their pass). K is row-major (T, HK, D), V
+    token-transposed (HK, D, T_pad); exponents (HK, T_pad) at padded column p0 for key k0. Keys past
+    k_end are zeros where TMA read the next document's: masked (P = dS = 0) either way."""
     # 16 keys at a time (few registers live: this runs once per CTA, before dK and dV's)
     kl: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (D // 16), D // 16], [4, 1], [1, 0])
     vl: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [1, 4], [0, 1])
@@ -825,14 +819,12 @@ def _times_exp2(x, e, ok):
     return gl.where(gl.expand_dims(ok, 1), y, 0.0).to(gl.bfloat16)
 
 @gluon.jit
-def _bwd_step(c, sm, dk, dv, pos_k, kd_len, start_m, shift, dq_dst, q_len, H, sm_scale_log2,
-              WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, MASKED: gl.constexpr, COPIES: gl.constexpr, DQ_TMA: gl.constexpr):
-    """One query tile (ring position c) for this warpgroup's 64 keys: dK, dV updated, dQ added
-    (dq_dst: the query head's dQ rows for atomics, or the TMA descriptor with the document's first
-    row and this warpgroup's first column). Every MMA issued here is retired here (see the
-    forward's _step)."""
-    DQh, dq_desc, dq_row, dq_col = dq_dst
+def _bwd_step(c, sm, dk, dv, pos_k, kd_len, start_m, shift, DQh, dq_desc, dq_row, dq_col, q_len, H,
+              sm_scale_log2, WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr, COPIES: gl.constexpr,
+              DQ_TMA: gl.constexpr):
+    """One query tile (ring position c) for this warpgroup's 64 keys: dK, dV updated, dQ added.
+    Every MMA issued here is retired here (see the forward's _step)."""
     dtype: gl.constexpr = gl.bfloat16
     s_layout: gl.constexpr = _mma_layout(dtype, BLOCK_M)
     o_layout: gl.constexpr = dk.type.layout
@@ -899,12 +891,10 @@ def _bwd_step(c, sm, dk, dv, pos_k, kd_len, start_m, shift, dq_dst, q_len, H, sm
     return dk, dv
 
 @gluon.jit
-def _bwd_consumer(sm, dq, grads, fp8_kv, TILES, sm_scale, T_K, H, HK, WG: gl.constexpr, D: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, TILE_SAFEGUARD: gl.constexpr,
-                  FP8_KV: gl.constexpr):
-    DQ, dq_desc = dq
-    DK, DV = grads
+def _bwd_consumer(sm, DQ, dq_desc, DK, DV, K8, V8T, EK, EV, T_KPAD, TILES, sm_scale, T_K, H, HK,
+                  WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr,
+                  TILE_SAFEGUARD: gl.constexpr, FP8_KV: gl.constexpr):
     hk = gl.program_id(1)
     tile, q_lo, q_mid = _key_tile(TILES, BLOCK_M, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)
     k_start, k_end, qd_start, q_len, shift = tile.start, tile.end, tile.other_start, tile.q_len, tile.shift
@@ -915,8 +905,8 @@ def _bwd_consumer(sm, dq, grads, fp8_kv, TILES, sm_scale, T_K, H, HK, WG: gl.con
     sm_scale_log2 = sm_scale * 1.4426950408889634
     if FP8_KV:  # before dK, dV's registers are live
         p0 = gl.load(tile.row + flamia.OWN_PAD) + k_start - tile.doc_start  # the padded column
-        _dequantize_keys(fp8_kv, sm.k_s.slice(WG * 64, 64), sm.v_s.slice(WG * 64, 64),
-                         k_start + WG * 64, k_end, p0 + WG * 64, hk, HK, D)
+        _dequantize_keys(K8, V8T, EK, EV, sm.k_s.slice(WG * 64, 64), sm.v_s.slice(WG * 64, 64),
+                         k_start + WG * 64, k_end, p0 + WG * 64, hk, HK, T_KPAD, D)
         fence_async_shared()
         gl.thread_barrier()  # the whole warpgroup's stores precede its arrival
         mbarrier.arrive(sm.kv_ready.index(0), count=1)
@@ -932,21 +922,22 @@ def _bwd_consumer(sm, dq, grads, fp8_kv, TILES, sm_scale, T_K, H, HK, WG: gl.con
     c = 0
     for i in range(H // HK):
         hq = hk * (H // HK) + i
-        dq_dst = (DQ + (qd_start * H + hq) * D, dq_desc, qd_start, hq * D + WG * (D // 2))
+        DQh = DQ + (qd_start * H + hq) * D
+        dq_col = hq * D + WG * (D // 2)
         for j in range(0, n_diag):
-            dk, dv = _bwd_step(c + j, sm, dk, dv, pos_k, kd_len, q_lo + j * BLOCK_M, shift, dq_dst, q_len,
-                               H, sm_scale_log2, WG, D, BLOCK_M, STAGES, CAUSAL, True, TILE_SAFEGUARD,
-                               DQ_TMA)
+            dk, dv = _bwd_step(c + j, sm, dk, dv, pos_k, kd_len, q_lo + j * BLOCK_M, shift, DQh,
+                               dq_desc, qd_start, dq_col, q_len, H, sm_scale_log2, WG, D, BLOCK_M,
+                               STAGES, CAUSAL, True, TILE_SAFEGUARD, DQ_TMA)
         if partial:
             for j in range(n_diag, n_m):
-                dk, dv = _bwd_step(c + j, sm, dk, dv, pos_k, kd_len, q_lo + j * BLOCK_M, shift, dq_dst,
-                                   q_len, H, sm_scale_log2, WG, D, BLOCK_M, STAGES, CAUSAL, True, False,
-                                   DQ_TMA)
+                dk, dv = _bwd_step(c + j, sm, dk, dv, pos_k, kd_len, q_lo + j * BLOCK_M, shift,
+                                   DQh, dq_desc, qd_start, dq_col, q_len, H, sm_scale_log2, WG, D,
+                                   BLOCK_M, STAGES, CAUSAL, True, False, DQ_TMA)
         else:
             for j in range(n_diag, n_m):
-                dk, dv = _bwd_step(c + j, sm, dk, dv, pos_k, kd_len, q_lo + j * BLOCK_M, shift, dq_dst,
-                                   q_len, H, sm_scale_log2, WG, D, BLOCK_M, STAGES, CAUSAL, False, False,
-                                   DQ_TMA)
+                dk, dv = _bwd_step(c + j, sm, dk, dv, pos_k, kd_len, q_lo + j * BLOCK_M, shift,
+                                   DQh, dq_desc, qd_start, dq_col, q_len, H, sm_scale_log2, WG, D,
+                                   BLOCK_M, STAGES, CAUSAL, False, False, DQ_TMA)
         c += n_m
     if DQ_TMA:
         tma.store_wait(0)  # the shared memory stays allocated until the last reduce has read it
@@ -958,15 +949,11 @@ def _bwd_consumer(sm, dq, grads, fp8_kv, TILES, sm_scale, T_K, H, HK, WG: gl.con
     gl.store(DV + ptrs, dv.to(DV.dtype.element_ty), mask=kmask)
 
 @gluon.jit
-def _attn_bwd_hopper(descs, fp8_kv, stats, dq, grads, TILES, sm_scale, T_Q, T_K, H, HK, D: gl.constexpr,
+def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, K8, V8T, EK, EV, T_KPAD, LSE,
+                     DELTA, DQ, dq_desc, DK, DV, TILES, sm_scale, T_Q, T_K, H, HK, D: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, TILE_SAFEGUARD: gl.constexpr,
                      FP8_KV: gl.constexpr):
-    """descs: TMA descriptors of Q, dO, K, V and the safeguard's KS, VS; fp8_kv: with FP8_KV the
-    forward's MXFP8 K, V^T, their exponents and T_pad (_dequantize_keys); stats: LSE, Delta; dq: the
-    fp32 dQ and its TMA descriptor; grads: dK, dV (attn_bwd says what each holds)."""
-    q_desc, do_desc, _, _, _, _ = descs
-    _, dq_desc = dq
     kv_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16)  # = _desc's
     k_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, D], kv_l)
     v_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, D], kv_l)
@@ -1004,12 +991,14 @@ def _attn_bwd_hopper(descs, fp8_kv, stats, dq, grads, TILES, sm_scale, T_Q, T_K,
     sm = BwdSmem(k_s, v_s, ks_s, vs_s, q_s, do_s, lse_s, dl_s, ds_s, dq_s, kv_ready, q_ready,
                  st_ready, q_free, ds_ready)
     gl.warp_specialize([
-        (_bwd_consumer, (sm, dq, grads, fp8_kv, TILES, sm_scale, T_K, H, HK, 0, D, BLOCK_M, BLOCK_N,
-                         STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD, FP8_KV)),
-        (_bwd_consumer, (sm, dq, grads, fp8_kv, TILES, sm_scale, T_K, H, HK, 1, D, BLOCK_M, BLOCK_N,
-                         STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD, FP8_KV)),
-        (_bwd_loader, (descs, sm, stats, TILES, T_Q, H, HK, D, BLOCK_M, STAGES, BLOCK_TOKENS, CAUSAL,
-                       TILE_SAFEGUARD, FP8_KV)),
+        (_bwd_consumer, (sm, DQ, dq_desc, DK, DV, K8, V8T, EK, EV, T_KPAD, TILES, sm_scale, T_K, H,
+                         HK, 0, D, BLOCK_M, BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD,
+                         FP8_KV)),
+        (_bwd_consumer, (sm, DQ, dq_desc, DK, DV, K8, V8T, EK, EV, T_KPAD, TILES, sm_scale, T_K, H,
+                         HK, 1, D, BLOCK_M, BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD,
+                         FP8_KV)),
+        (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, sm, LSE, DELTA, TILES,
+                       T_Q, H, HK, D, BLOCK_M, STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD, FP8_KV)),
     ], [4, 1], [240, 24])
 
 
@@ -1057,8 +1046,8 @@ def attn_bwd(q, k, v, ks, vs, do, lse, delta, dk, dv, tiles, *, softmax_scale, c
     ksd = _desc(ks, (Tk, HK * D), (HK * D, 1), (BN, D)) if tile_safeguard else None
     vsd = _desc(vs, (Tk, HK * D), (HK * D, 1), (BN, D)) if tile_safeguard else None
     dqd = None if tile_safeguard else _desc(dq, (Tq, H * D), (H * D, 1), (BM, D // 2))
-    _attn_bwd_hopper[(tiles.shape[0], HK)]((qd, dod, kd, vd, ksd, vsd), (k8, v8t, ek, ev, ek.shape[-1]),
-                                           (lse, delta), (dq, dqd), (dk, dv), tiles, softmax_scale, Tq,
+    _attn_bwd_hopper[(tiles.shape[0], HK)](qd, dod, kd, vd, ksd, vsd, k8, v8t, ek, ev, ek.shape[-1],
+                                           lse, delta, dq, dqd, dk, dv, tiles, softmax_scale, Tq,
                                            Tk, H, HK, D=D, BLOCK_M=BM, BLOCK_N=BN, STAGES=2,
                                            BLOCK_TOKENS=block_tokens, CAUSAL=causal,
                                            TILE_SAFEGUARD=tile_safeguard,
