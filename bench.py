@@ -856,9 +856,25 @@ def sm90_launches(config, T=512, H=4, HK=2):
     return [c for c in calls if isinstance(c[0], GluonJITFunction) or c[0].__name__.startswith("_attn")]
 
 
+def launcher_error(ck):
+    """None if triton's CUDA launcher takes the compiled kernel's signature (its C source, generated
+    here as at a GPU's first launch), else the error: triton 3.6, e.g., refuses tensor descriptors
+    inside tuple arguments there, which compiling does not check."""
+    from triton.backends.nvidia.driver import make_launcher
+    src = ck.src
+    index = lambda name: (src.fn.arg_names.index(name),) if isinstance(name, str) else name
+    try:
+        make_launcher({index(i): v for i, v in src.constants.items()}, dict(src.signature),
+                      getattr(ck.metadata, "tensordesc_meta", None))
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def sm90_facts(ck):
     """wgmma kinds (PTX), spills (ptxas -v with triton 3.6's make_cubin flags), shared memory (which
-    compiling does not check: the driver refuses at load), TMA, warp specialization, ptxas warnings."""
+    compiling does not check: the driver refuses at load), TMA, warp specialization, ptxas warnings,
+    and whether the launcher takes the kernel's arguments."""
     import re
     import subprocess
     import tempfile
@@ -877,7 +893,8 @@ def sm90_facts(ck):
                 spill_bytes=sum(int(a) + int(b) for a, b in spills) if spills else None,
                 shared=ck.metadata.shared, tma="cp.async.bulk.tensor" in ptx,
                 warp_specialized="ttg.warp_specialize" in ttgir,
-                ptxas_warnings=[line.strip() for line in log.splitlines() if "warning" in line.lower()])
+                ptxas_warnings=[line.strip() for line in log.splitlines() if "warning" in line.lower()],
+                launcher_error=launcher_error(ck))
 
 
 def bench_sm90(args):
@@ -900,7 +917,8 @@ def bench_sm90(args):
             print(f"{config:18s} {fn.__name__:17s} " + (row["error"][:120] if "error" in row else
                   f"wgmma {','.join(row['wgmma_kinds'])} x{row['n_wgmma']}, {row['spill_bytes']} B spilled, "
                   f"{row['shared']} B shared, TMA {row['tma']}, warp-specialized {row['warp_specialized']}"
-                  + (f", ptxas: {row['ptxas_warnings']}" if row["ptxas_warnings"] else "")), flush=True)
+                  + (f", ptxas: {row['ptxas_warnings']}" if row["ptxas_warnings"] else "")
+                  + (f", LAUNCHER: {row['launcher_error']}" if row["launcher_error"] else "")), flush=True)
     return rows
 
 

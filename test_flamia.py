@@ -2823,8 +2823,9 @@ SM90_MAX_SHARED = 232448  # bytes of shared memory a block may opt into on H100 
 @pytest.mark.parametrize("config", sorted({c for c, _ in SM90_SPILL_BYTES}))
 def test_hopper_kernels_compile_for_sm90(config, tmp_path):
     """The Gluon kernels and the tl kernels beside them (the forward an H100 runs by default for
-    block_tokens 1, the deterministic backward), compiled for sm_90a by the GPU's triton 3.6: a
-    kernel edit that breaks on the GPU's compiler fails here, without a GPU."""
+    block_tokens 1, the deterministic backward), compiled for sm_90a by the GPU's triton 3.6, and
+    their launchers generated: a kernel edit that breaks on the GPU's compiler or launcher fails here,
+    without a GPU."""
     env = dict(_env(cpu=True), PYTHONPATH=os.pathsep.join([TRITON36, HERE]), TRITON_CACHE_DIR=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--sm90", "--out", str(tmp_path),
                         "--workloads", config + "$"], env=env, capture_output=True, text=True, timeout=600)
@@ -2846,6 +2847,7 @@ def test_hopper_kernels_compile_for_sm90(config, tmp_path):
         limit = SM90_SPILL_BYTES[config, kind] if gluon else SM90_TL_SPILL_BYTES[f["kernel"]]
         assert f["spill_bytes"] <= limit, what
         assert not [w for w in f["ptxas_warnings"] if "wgmma" in w.lower()], what  # C7514/5: serialized
+        assert f["launcher_error"] is None, what  # compiles, yet no GPU could launch it
 
 
 # ---------------------------------------------------------------------------------------------
