@@ -16,9 +16,8 @@ cuDNN-frontend #983/#1123) and from measurements on an H200. Sections:
   6b. transformers    flamia_hf_attention_fn: a Hugging Face attention backend, packed rows too
   7. auditor          audit_causality: a bitwise leak test for any attention implementation
   8. interpreter      numerics fixes for Triton's CPU interpreter (applied whenever it runs)
-The optional companion flamia_hopper.py holds Hopper-only warp-specialized Gluon kernels, forward
-and backward (backend="gluon"); this file alone is complete. The leak and the safeguard: section 2; limits
-and what ran where: README.
+The optional flamia_hopper.py holds Hopper-only warp-specialized Gluon kernels (backend="gluon");
+this file alone is complete. The leak and the safeguard: section 2; limits and what ran where: README.
 """
 import collections
 import functools
@@ -34,12 +33,9 @@ import triton
 import triton.language as tl
 from triton.language.core import _aggregate  # triton.language's named records (3.6: private name)
 
-# ---------------------------------------------------------------------------------------------
-# 1. Formats
-# ---------------------------------------------------------------------------------------------
-# MXFP8 element: E4M3 (torch.float8_e4m3fn / tl.float8e4nv): 1 sign, 4 exponent, 3 mantissa bits,
-# max 448, no infinities, one NaN pattern (0x7F / 0xFF). MX scale: E8M0, a biased exponent byte e
-# meaning 2^(e - 127); 0xFF is NaN.
+# ---- 1. Formats -------------------------------------------------------------------------------
+# MXFP8 element: E4M3 (torch.float8_e4m3fn / tl.float8e4nv): sign, 4 exponent, 3 mantissa bits, max 448, no
+# infinities, NaN 0x7F / 0xFF. MX scale: E8M0, a biased exponent byte e meaning 2^(e - 127); 0xFF is NaN.
 #
 # THE SCALE RULE (TransformerEngine's, cuDNN's): a block's scale is the smallest power of two s
 # with amax / s <= 448, so nothing saturates. It is exact, on amax's bits (no division or log that
@@ -133,16 +129,13 @@ def dequantize_fp4(packed: torch.Tensor, block_scale: torch.Tensor, s2=None, dty
     return (x.clamp(-65504.0, 65504.0) if dtype == torch.float16 else x).to(dtype)
 
 
-# ---------------------------------------------------------------------------------------------
-# 2. Token-block, document-local scaling, recipes, and the Plan (the varlen scheduler)
-# ---------------------------------------------------------------------------------------------
-# Packed documents come as THD tensors (total_tokens, heads, head_dim) plus cu_seqlens, the int32
-# offsets [0, L0, L0+L1, ..., total] of the documents (flash-attn's convention; zero-length
-# documents are legal). A scale block is `block_tokens` (B_t) consecutive tokens of ONE document and
-# ONE head, over the whole head dim; blocks restart at every document start, so no block, and no
-# statistic, ever spans two documents. Every token carries a copy of its block's E8M0 byte, stored
-# head-major (H, T_padded) in the padded token layout (see padded_columns): a document starts at a
-# 16-aligned column, so a kernel reads a tile's scales in aligned wide loads, not byte by byte.
+# ---- 2. Token-block, document-local scaling, recipes, and the Plan (the varlen scheduler) -----
+# Packed documents come as THD tensors (total_tokens, heads, head_dim) plus cu_seqlens, the int32 offsets
+# [0, L0, L0+L1, ..., total] of the documents (flash-attn's convention; empty documents are legal). A scale
+# block is `block_tokens` (B_t) consecutive tokens of ONE document and ONE head, over the whole head dim;
+# blocks restart at every document start, so no block, and no statistic, spans two documents. Each token
+# carries a copy of its block's E8M0 byte, head-major (H, T_padded) in the padded token layout
+# (padded_columns): documents start at 16-aligned columns, so a tile's scales load in aligned wide words.
 BLOCK_TOKENS = (1, 32, 64, 128)
 DEFAULT_BLOCK_TOKENS = 1  # per token: no per-token copies to write, the cheaper on packed short documents
 QUANT_TILE = 128  # tokens per quantizer program; a multiple of every B_t
@@ -151,11 +144,10 @@ PAD_ALIGN = 16  # token-transposed layouts start every document at a multiple of
 
 @dataclass(frozen=True)
 class Recipe:
-    """What a recipe puts in which format, and which kernels compute it. k_format: "bf16" (not
-    quantized), "e4m3" (MXFP8), or "nvfp4" / "mxfp4" (FP4 K). Q and V are MXFP8 in every quantized
-    recipe (every query tile re-reads all of K: K is where FP4's bytes pay); Q is always per token (a
-    scale shared along its rows leaks). The tensors its quantizers write: operand_slots (section 6).
-    A new recipe is its row in _RECIPES, its quantizer (section 3) and its rounding in the oracle."""
+    """What a recipe puts in which format, and which kernels compute it. k_format: "bf16" (not quantized),
+    "e4m3" (MXFP8), or "nvfp4" / "mxfp4" (FP4 K). Q and V are MXFP8 in every quantized recipe (every query
+    tile re-reads all of K: K is where FP4's bytes pay); Q is always per token (a scale shared along its
+    rows leaks). A new recipe: its _RECIPES row, quantizer (section 3), operand_slots, oracle rounding."""
     name: str
     k_format: str
     backends: tuple  # the backends that compute it: "tl" every recipe; "dot_scaled" needs every scale
@@ -182,11 +174,10 @@ def _pad16(n):
     return -(-n // PAD_ALIGN) * PAD_ALIGN
 
 
-# The causal safeguard, its rules in one place. Positions are document-local, on the key axis (a
-# query's position is its row plus the causal shift Lk - Lq). A (query, key) pair STRADDLES when the
-# key's scale block also holds the query's position: the block's scale is then a function of keys
-# after the query, so the pair must use the per-token quantized copies of K and V. Keys of earlier
-# blocks never straddle. The kernels call the jitted twins below; the oracle calls `straddles`.
+# The causal safeguard's rules, in one place. Positions are document-local, on the key axis (a query's
+# position is its row plus the causal shift Lk - Lq). A (query, key) pair STRADDLES when the key's scale
+# block also holds the query's position: the block's scale is then a function of keys after the query, so
+# the pair must use the per-token quantized copies of K and V. The kernels call the jitted twins below.
 def _token_copies(recipe: Recipe, causal: bool, safeguard: bool, block_tokens: int) -> bool:
     """Whether K and V also get per-token quantized copies (pairs can straddle)."""
     return recipe.quantized and causal and safeguard and block_tokens > 1
@@ -232,24 +223,21 @@ def _check_block_tokens(block_tokens) -> None:
 
 
 def _check_cu_seqlens(cu, name: str) -> None:
-    if not isinstance(cu, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of int32 offsets, got {type(cu).__name__}")
-    if cu.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32 (flash-attn convention), got {cu.dtype}")
+    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32:
+        got = cu.dtype if isinstance(cu, torch.Tensor) else type(cu).__name__
+        raise TypeError(f"{name} must be int32 offsets in a torch.Tensor (flash-attn's), got {got}")
     if cu.dim() != 1 or cu.numel() < 2:
-        raise ValueError(f"{name} must be 1-D with at least 2 entries [0, ..., total], "
-                         f"got shape {tuple(cu.shape)}")
+        raise ValueError(f"{name} must be 1-D [0, ..., total], 2+ entries, got shape {tuple(cu.shape)}")
 
 
-# The Plan cuts every document into tiles aligned to its start that never cross a document boundary:
-# 128-token tiles for the quantizer (whole scale blocks), query tiles (forward, dQ) or key tiles (dK/dV) for
-# attention. Only tiles with unmasked pairs exist, so no program runs on a fully masked tile, and documents
-# of length 0, 1 or 33 need no special case. Work is sorted heaviest first (longest processing time): the
-# GPU takes programs roughly in launch order, so long causal rows start first and short ones fill the tail.
-# The Plan reads cu_seqlens to the host ONCE (the only host sync) and caches its tables: build it once per
-# batch and pass it to every layer, like FlexAttention's BlockMask. Tile table columns (int32, a row per
-# work item): "own" is the tile's document (queries for query tiles, keys for key tiles), "other" the
-# matching one on the other side; *_PAD are their starts in the token-transposed (16-aligned) layouts.
+# The Plan cuts every document into start-aligned tiles that never cross a document boundary: 128-token
+# tiles for the quantizer (whole scale blocks), query tiles (forward, dQ) or key tiles (dK/dV) for
+# attention. Only tiles with unmasked pairs exist: no program runs on a fully masked tile, and documents of
+# length 0, 1 or 33 need no special case. Work is sorted heaviest first (longest processing time): the GPU
+# takes programs roughly in launch order, so long causal rows start first and short ones fill the tail. The
+# Plan reads cu_seqlens to the host ONCE (the only host sync) and caches its tables, like FlexAttention's
+# BlockMask. Tile table columns (int32, a row per work item): "own" is the tile's document (queries for
+# query tiles, keys for key tiles), "other" the matching one; *_PAD: their starts in the padded layouts.
 TILE_START, TILE_END, OWN_START, OWN_END, OTHER_START, OTHER_END, OTHER_PAD, OWN_PAD = (
     tl.constexpr(i) for i in range(8))
 
@@ -379,12 +367,10 @@ class Plan:
         self.rows_without_keys = {True: any(lq > lk for lq, lk in lens),
                                   False: any(lk == 0 < lq for lq, lk in lens)}
         self.keys_without_rows = any(lq == 0 < lk for lq, lk in lens)  # dK, dV must start as 0
-        # Every causal shift Lk - Lq is a multiple of this (0: all shifts are 0, the training case);
-        # the per-tile safeguard needs query tiles that lie inside one key block (_tile_safeguard).
+        # Divides every causal shift Lk - Lq (0: all are 0, the training case); see _tile_safeguard
         self.shift_gcd = math.gcd(*(lk - lq for lq, lk in lens))
         self._tables = {}
-        # The cu_seqlens tensors known to hold this plan's offsets (check_offsets): those it was built
-        # from and its device copies, as (weak reference, version) by (id, side).
+        # (id, side) -> (weak ref, version) of the tensors known to hold these offsets (check_offsets)
         self._known = {(id(t), side): (weakref.ref(t), t._version) for side, t in
                        zip("qqkk", (cu_seqlens_q, self.cu_seqlens_q, cu_seqlens_k, self.cu_seqlens_k))}
         _PLANS[id(self.cu_seqlens_q)] = self  # every plan is found by the custom ops (section 6)
@@ -439,10 +425,9 @@ flamia_plan = Plan  # the Plan of a batch: build it once and pass it as plan= to
 
 
 def padded_tokens(total: int, n_docs: int) -> int:
-    """Token length of a token-transposed layout (H, D, T_padded): a bound on the 16-aligned
-    documents that depends on shapes only (the custom op's fake implementation cannot read
-    cu_seqlens), rounded up to 128 tokens so that every channel row starts on a 128-byte cache line
-    (unaligned rows measured slower in the forward on the H200)."""
+    """Width T_padded of the padded token layouts: a bound on the 16-aligned documents from shapes only (the
+    custom op's fake implementation cannot read cu_seqlens), rounded up to 128 tokens so that every channel
+    row starts on a 128-byte cache line (unaligned rows measured slower in the H200's forward)."""
     return max(-(-(total + (PAD_ALIGN - 1) * n_docs) // 128) * 128, 128)
 
 
@@ -454,10 +439,9 @@ def _doc_index(cu_seqlens: torch.Tensor, total: int):
 
 
 def padded_columns(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """(T,) int64: each token's column in the padded token layouts (exponent rows (H, T_padded),
-    token-transposed data (H, D, T_padded)): every document starts at a multiple of PAD_ALIGN
-    columns, its padding up to the next multiple holds an all-zero token (exponent 1), and columns
-    past the last document's padding are never written. On cu_seqlens' device, no host sync."""
+    """(T,) int64: each token's column in the padded token layouts ((H, T_padded) exponents, (H, D,
+    T_padded) transposed data): documents start at multiples of PAD_ALIGN columns, their padding holds zero
+    tokens (exponent 1), columns past the last document's padding are never written. No host sync."""
     doc, pos = _doc_index(cu_seqlens, total)
     pad_start = torch.cat([pos.new_zeros(1), _pad16(cu_seqlens.long().diff()).cumsum(0)])
     return pad_start[doc] + pos
@@ -469,9 +453,7 @@ def token_block_start(cu_seqlens: torch.Tensor, total: int, block_tokens: int) -
     return torch.arange(total, device=pos.device) - pos % block_tokens
 
 
-# ---------------------------------------------------------------------------------------------
-# 3. Quantizers: PyTorch references and the fused Triton kernels (bit-identical)
-# ---------------------------------------------------------------------------------------------
+# ---- 3. Quantizers: PyTorch references and the fused Triton kernels (bit-identical) -----------
 # quantize(x) for x of shape (T, H, D), block size B_t:
 #     amax[t, h]  = max_d |x[t, h, d]|                  (per token)
 #     amax_b      = max over the B_t-token block of t    (document-local)
@@ -499,8 +481,7 @@ class MXFP8(NamedTuple):
 
 
 class FP4(NamedTuple):
-    """A quantized (T, H, D) tensor in NVFP4 or MXFP4: quantize_fp4_reference's packed E2M1 codes,
-    block scales and second-level scales (ones for MXFP4), the latter stored (H, T) fp32."""
+    """A quantized (T, H, D) tensor, NVFP4 or MXFP4: quantize_fp4_reference's outputs, s2 stored (H, T)."""
     packed: torch.Tensor
     block_scale: torch.Tensor
     s2: torch.Tensor
@@ -528,10 +509,8 @@ def quantize_mxfp8_reference(x: torch.Tensor, cu_seqlens: torch.Tensor, block_to
 def transpose_tokens_reference(data: torch.Tensor, offsets: list) -> torch.Tensor:
     """(T, H, D) -> (H, D, T_padded) with every document starting at a multiple of 16 tokens: the
     layout the Triton quantizer writes, up to the end of the last document's zero padding."""
-    T, H, D = data.shape
-    out = torch.zeros(H, D, sum(_pad16(b - a) for a, b in zip(offsets, offsets[1:])),
-                      dtype=data.dtype, device=data.device)
-    p = 0
+    _, H, D = data.shape
+    out, p = data.new_zeros(H, D, sum(_pad16(b - a) for a, b in zip(offsets, offsets[1:]))), 0
     for a, b in zip(offsets, offsets[1:]):
         out[:, :, p:p + b - a] = data[a:b].permute(1, 2, 0)
         p += _pad16(b - a)
@@ -752,8 +731,7 @@ def quantize_mxfp8_launch(x: torch.Tensor, plan: Plan, block_tokens: int = 1, si
         out2 = alloc(x2, second[1], per_token_copy)
     if queries is not None:
         if not plan.same_documents:
-            raise ValueError("queries= needs a plan whose cu_seqlens_q and cu_seqlens_k describe "
-                             "the same documents")
+            raise ValueError("queries= needs a plan whose cu_seqlens_q and _k are the same documents")
         xq = _quantizer_input(queries, plan, side, "queries")
         if xq.shape[2] != D or xq.shape[1] % H != 0:
             raise ValueError(f"queries has shape {tuple(xq.shape)}, expected ({T}, a multiple of {H}, {D})")
@@ -828,13 +806,12 @@ def quantize_fp4(x: torch.Tensor, plan: Plan, fmt: str = "nvfp4", side: str = "q
     return out
 
 
-# Q/K rotation ("incoherence processing", as FlashAttention-3 does for FP8), rotate_qk=True.
-# S = Q K^T does not change when Q and K are both multiplied by one orthogonal matrix, but their
-# quantization error does: a head-dim channel with outliers (RoPE'd queries and keys have some) sets
-# the scale of its whole block and pushes the other channels toward E4M3's bottom. A Hadamard
-# matrix with random column signs spreads every channel over all D. We multiply by the
-# UNNORMALIZED +-1 matrix (exact in bf16; 1/sqrt(128) is not) and divide the softmax scale by D (a
-# power of two: exact). It acts along the head dim only: no statistic crosses tokens, no leak.
+# Q/K rotation ("incoherence processing", as FlashAttention-3 does for FP8), rotate_qk=True. S = Q K^T is
+# unchanged when Q and K are both multiplied by one orthogonal matrix, but their quantization error is not:
+# a head-dim channel with outliers (RoPE'd queries and keys have some) sets the scale of its whole block and
+# pushes the other channels toward E4M3's bottom. A Hadamard matrix with random column signs spreads every
+# channel over all D. We use the UNNORMALIZED +-1 matrix (exact in bf16; 1/sqrt(128) is not) and divide the
+# softmax scale by D (a power of two: exact). It acts along the head dim only: no statistic crosses tokens.
 @functools.lru_cache(maxsize=None)  # one per head dim and device
 def qk_rotation(head_dim: int, device=None) -> torch.Tensor:
     """The (D, D) +-1 matrix H diag(signs), H H^T = D I (Sylvester Hadamard, fixed random signs)."""
@@ -852,16 +829,13 @@ def _rotate_qk(q, k, softmax_scale):
     return q @ h.to(q.dtype), k @ h.to(k.dtype), softmax_scale / q.shape[-1]
 
 
-# ---------------------------------------------------------------------------------------------
-# 4. The reference oracle
-# ---------------------------------------------------------------------------------------------
-# reference_attention() defines what a recipe computes: quantize with the recipe's scaling,
-# dequantize, then exact attention with per-document (causal) masking. It does NOT round P: the
-# kernels also round P (times V's power-of-two scale, relative to the row's running max) to E4M3 for
-# the fp8 P V (bf16 for recipe="bf16"), a random error of ~1.5e-2 relative L2 in O (~2e-3 for bf16)
-# that the kernel-vs-oracle tolerances allow for; the backward's P and dS are rounded to bf16. The
-# kernels are tested against it, and it is the CPU path. Quantizers are straight-through (identity
-# gradient), so autograd through it gives the gradients the kernels must reproduce.
+# ---- 4. The reference oracle ------------------------------------------------------------------
+# reference_attention() defines what a recipe computes: quantize with the recipe's scaling, dequantize, then
+# exact attention with per-document (causal) masking. It does NOT round P: the kernels also round P (times
+# V's power-of-two scale, relative to the row's max) to E4M3 for the fp8 P V (bf16 for recipe="bf16"), a
+# random error of ~1.5e-2 relative L2 in O (~2e-3 for bf16) that the kernel-vs-oracle tolerances allow; the
+# backward's P and dS are rounded to bf16. Kernels are tested against it; it is the CPU path. Quantizers are
+# straight-through (identity gradient): its autograd gives the gradients the kernels must match.
 def _fake_quant(x: torch.Tensor, cu_seqlens: torch.Tensor, block_tokens: int, fmt: str = "e4m3"):
     """x dequantized (fp32: FP4's s2 is not bf16), exactly (x - x is 0), with the identity gradient
     to x. (x + (deq - x) would round twice: not bit for bit the dequantized operand.)"""
@@ -926,21 +900,17 @@ def attention_fp64(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True, sof
                                causal=causal, softmax_scale=softmax_scale, recipe="bf16")
 
 
-# ---------------------------------------------------------------------------------------------
-# 5. Kernels. First, the variant: what computes a call
-# ---------------------------------------------------------------------------------------------
-# Every choice of what runs -- backend, forward kernel, K's format in it, tiles, the safeguard's
-# mode per kernel, or why a requested backend cannot compute the call -- is made once per call by
-# variant(); the launchers (5a, 5b) only read its Variant.
+# ---- 5. Kernels. First, the variant: what computes a call -------------------------------------
+# variant() decides once per call what runs -- backend, forward kernel, K's format, tiles, the safeguard's
+# mode per kernel -- or why the requested backend cannot; the launchers (5a, 5b) only read its Variant.
 #
-# TILES, one row per head dim: a head dim joins here and nowhere else (HEAD_DIMS are its keys; the
-# Gluon kernels refuse head dims they lack). The tl.dot tiles are `bench.py --tune`'s on the H200 at
-# D=128 (D=64 reuses them): fp8 wants long key tiles (P V contracts over BLOCK_N) and a warpgroup per
-# 64 query rows, narrow diagonal tiles (MASKED_N) help packed documents, bigger query tiles in dK/dV
-# spill; the FP4 emulation is not tuned. Blackwell (`bench.py --sm100`, never timed): Triton lowers
-# tl.dot_scaled to the MX block-scaled MMA only for >= 128 query rows (with 64 it upcasts K to a bf16
-# MMA), with the widest key tiles that compile without spills; the H200's dK/dV tiles spill there:
-# 64 keys.
+# TILES, one row per head dim: a head dim joins here and nowhere else (HEAD_DIMS are its keys; the Gluon
+# kernels refuse head dims they lack). The tl.dot tiles are `bench.py --tune`'s on the H200 at D=128 (D=64
+# reuses them): fp8 wants long key tiles (P V contracts over BLOCK_N) and a warpgroup per 64 query rows,
+# narrow diagonal tiles (MASKED_N) help packed documents, bigger query tiles in dK/dV spill; the FP4
+# emulation is not tuned. Blackwell (`bench.py --sm100`, never timed): Triton lowers tl.dot_scaled to the MX
+# block-scaled MMA only for >= 128 query rows (with 64 it upcasts K to a bf16 MMA), with the widest key
+# tiles that compile without spills; the H200's dK/dV tiles spill there: 64 keys.
 class Tiles(NamedTuple):
     fwd: dict  # K's operand (Variant.k_operand) -> (BLOCK_M, BLOCK_N, MASKED_N, num_warps, num_stages)
     fwd_sm100: dict  # of the tl.dot forward; the same, tl.dot_scaled forward on Blackwell
@@ -989,8 +959,7 @@ def _is_blackwell(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 10
 
 
-# backend="gluon": flamia_hopper.py's kernels (same operands, function and safeguard; sm_90, triton
-# 3.6). Optional: where they cannot run, backend="gluon" is refused with the reason, never replaced.
+# backend="gluon": flamia_hopper.py (same operands, safeguard); refused, never replaced, where it can't run.
 _GLUON_IMPORT_ERROR = None
 try:
     import flamia_hopper
@@ -1029,13 +998,11 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
     r, D = _RECIPES[recipe], x.shape[-1]
     row = TILES.get(D)
     if row is None:
-        raise ValueError(f"head_dim {D} has no tile configurations: add a row to flamia.TILES "
-                         f"(rows: {sorted(TILES)})")
+        raise ValueError(f"head_dim {D} has no tiles: add a row to flamia.TILES (rows: {sorted(TILES)})")
     copies = _token_copies(r, causal, safeguard, block_tokens)
     mode = lambda blocks: (None if plan is None else "off" if not copies else
                            "tile" if _tile_safeguard(plan, block_tokens, *blocks) else "pair")
-    # The Gluon forward's and dK/dV's tiles (their own warps, stages), and why the Gluon kernel with
-    # such tiles cannot compute this call (None: it can, as far as the plan tells)
+    # Gluon's forward and dK/dV tiles (own warps, stages); why Gluon with such tiles can't compute the call
     gluon_fwd = lambda: (flamia_hopper.BLOCK_M, 128, 128, None, None)
     gluon_dkdv = lambda: (flamia_hopper.bwd_block_m(D, copies), flamia_hopper.BWD_BLOCK_N, None, None)
     gluon_refusal = lambda tiles: (gluon_unavailable_reason() or ("gluon" not in r.backends and f"recipe={recipe!r}")
@@ -1075,13 +1042,9 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
     return Variant(r, backend, None, kernel, tma, k_operand, copies, fwd, dkdv, dq, modes, bwd, quantize_q)
 
 
-# ---------------------------------------------------------------------------------------------
-# 5a. Forward kernels
-# ---------------------------------------------------------------------------------------------
-# Two kernels, one per hardware path, sharing their steps: _attn_fwd (tl.dot: Hopper's fp8 wgmma,
-# the interpreter, any GPU) and _attn_fwd_blackwell (tl.dot_scaled, TMA). One program = one query
-# tile (BLOCK_M rows of one document, from the Plan) x one query head.
-# Online softmax over the document's key tiles, in the base-2 domain (s2 = S * log2(e)):
+# ---- 5a. Forward kernels ----------------------------------------------------------------------
+# Two kernels, _attn_fwd (tl.dot) and _attn_fwd_blackwell (tl.dot_scaled), share their steps. A program:
+# a query tile (BLOCK_M rows of one document) x a query head. Online softmax, base 2 (s2 = S * log2(e)):
 #
 #   for each key tile j:           (first the tiles every row sees fully, then the masked ones)
 #       s2   = (Qq Kq^T) * sk[j] * (sq[i] * scale * log2 e)   fp8 MMA, rank-1 post-scale
@@ -1098,11 +1061,10 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
 # per-token copies KS, VS ("pair": a second small MMA on the diagonal tiles), or, where _tile_safeguard
 # holds, the masked tiles read KS, VS instead of K, V ("tile": one MMA, as at B_t = 1).
 #
-# K reaches the forward as one of four operands (K_OPERAND; Recipe.k_format is how K is stored):
-# "bf16" (recipe bf16), "e4m3" (MXFP8), "fp4_decoded" (FP4
-# values times their block scales, decoded to bf16 on the host -- exact, 6 significant bits -- with
-# the FP32 second level as a per-key factor: an exact emulation for GPUs without FP4 MMAs) and
-# "fp4_packed" (E2M1 + E8M0 for tl.dot_scaled, the Blackwell kernel's).
+# K reaches the forward as one of four operands (K_OPERAND; Recipe.k_format is how K is stored): "bf16"
+# (recipe bf16), "e4m3" (MXFP8), "fp4_decoded" (FP4 values times their block scales, decoded to bf16 on the
+# host -- exact, 6 significant bits -- with the FP32 second level as a per-key factor: an exact emulation
+# for GPUs without FP4 MMAs) and "fp4_packed" (E2M1 + E8M0 for tl.dot_scaled, the Blackwell kernel's).
 @triton.jit
 def _e8m0_blocks(e, D: tl.constexpr):
     """tl.dot_scaled's scale operand for per-row E8M0 scales: (rows, D // 32) uint8."""
@@ -1511,8 +1473,7 @@ def _attn_fwd_blackwell(Q, EQ, kv, KB, kv_tok, O, LSE, TILES,  # as _attn_fwd's
 
 
 def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_scale, block_tokens):
-    """Launch the forward (tl or Gluon) on the quantized operands `ops` (section 6's Operands; bf16:
-    q, k, v in its slots, the others unused). Returns (o, lse)."""
+    """The forward (tl or Gluon) on the quantized Operands `ops` (bf16: on q, k, v); returns (o, lse)."""
     (Tq, H, D), (Tk, HK) = q.shape, k.shape[:2]
     empty_rows = plan.rows_without_keys[causal]
     o = (torch.zeros if empty_rows else torch.empty)(Tq, H, D, dtype=q.dtype, device=q.device)
@@ -1552,18 +1513,15 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
     return o, lse
 
 
-# ---------------------------------------------------------------------------------------------
-# 5b. Backward kernels
-# ---------------------------------------------------------------------------------------------
-# The backward differentiates the function the forward computed: S is recomputed from exactly the
-# forward's quantized operands (the same safeguard selection on the diagonal) and P from the saved
-# LSE. On Hopper these kernels are issue-bound, not MMA-bound: fp8 MMAs there saved less than the
-# scale multiplies and fp8 -> bf16 conversions cost (measured on the H200). So every recipe's
-# backward runs bf16 MMAs: the quantized recipes on the forward's operands DEQUANTIZED exactly
-# (E4M3 x 2^e, and FP4's code x block scale, fit bf16 exactly; FP4's FP32 second level stays an fp32
-# factor per key, K_SCALED), and dO as given. The gradients are those of the oracle's function up to bf16
-# rounding of P and dS. Two kernels, no atomics (deterministic): dK/dV per key tile iterating over
-# query tiles, and dQ per query tile iterating over key tiles (the forward's schedule):
+# ---- 5b. Backward kernels ---------------------------------------------------------------------
+# The backward differentiates the function the forward computed: S is recomputed from exactly the forward's
+# quantized operands (the same safeguard selection on the diagonal) and P from the saved LSE. On Hopper
+# these kernels are issue-bound, not MMA-bound: fp8 MMAs there saved less than the scale multiplies and
+# fp8-to-bf16 conversions cost (measured on the H200). So every recipe's backward runs bf16 MMAs: the
+# quantized recipes on the forward's operands DEQUANTIZED exactly (E4M3 x 2^e, and FP4's code x block scale,
+# fit bf16 exactly; FP4's FP32 second level stays an fp32 factor per key, K_SCALED), and dO as given. The
+# gradients are the oracle's up to bf16 rounding of P and dS. Two kernels, no atomics (deterministic): dK/dV
+# per key tile over query tiles, dQ per query tile over key tiles (the forward's schedule):
 #
 #   dK/dV:  for each query tile i:  P^T = exp2(S^T - lse_i);  dV += P^T dO_i
 #                                   dS^T = P^T * (V dO_i^T - Delta_i);  dK += dS^T Q_i
@@ -1856,18 +1814,13 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
     return dq, dk, dv
 
 
-# ---------------------------------------------------------------------------------------------
-# 6. Autograd, torch custom ops and the public API
-# ---------------------------------------------------------------------------------------------
-# The launches are wrapped in torch.library custom ops (with fake implementations that give the
-# outputs' shapes), so torch.compile treats them as opaque nodes instead of breaking the graph.
-# A Plan is a Python object and cannot cross the op boundary: the ops receive the cu_seqlens
-# tensors and find the Plan built for exactly those tensor objects (every Plan registers itself),
-# or build one (one host sync). The forward's quantized operands leave the op as outputs that
-# autograd saves for the backward:
+# ---- 6. Autograd, torch custom ops and the public API -----------------------------------------
+# The launches run as torch.library custom ops (fake implementations give output shapes), so torch.compile
+# sees opaque nodes instead of breaking the graph. A Plan cannot cross the op boundary: the ops receive the
+# cu_seqlens tensors and find the Plan built for exactly those tensor objects (every Plan registers itself),
+# or build one (one host sync). The forward's quantized operands leave the op as outputs for the backward:
 class Operands(NamedTuple):
-    """Shapes and dtypes: operand_slots. Unused slots are empty tensors (custom-op outputs can be
-    neither None nor aliases of each other)."""
+    """Shapes, dtypes: operand_slots. Unused slots are empty tensors (op outputs: never None or aliases)."""
     q: torch.Tensor  # E4M3, per token ...
     q_exp: torch.Tensor  # ... and its E8M0 exponents, in the padded token layout (padded_columns)
     k: torch.Tensor  # E4M3 (mxfp8) or two E2M1 per byte (FP4)
@@ -1882,9 +1835,8 @@ class Operands(NamedTuple):
 
 
 def operand_slots(recipe: Recipe, q_shape, k_shape, q_pad: int, k_pad: int, copies: bool) -> Operands:
-    """(shape, dtype) of every Operands slot a call of `recipe` fills, None where unused: what the
-    quantizers write, and what torch.compile's fake forward (_fwd_fake) returns without running them.
-    q_pad, k_pad: the padded token layouts' widths (padded_tokens); copies: the safeguard's."""
+    """(shape, dtype) of each Operands slot `recipe` fills, None where unused: what the quantizers write and
+    torch.compile's fake forward (_fwd_fake) returns. q_pad, k_pad: padded_tokens; copies: safeguard's."""
     (Tq, H, D), (Tk, HK) = q_shape, k_shape[:2]
     if not recipe.quantized:
         return Operands(*(None for _ in Operands._fields))
@@ -2074,9 +2026,8 @@ def _check_options(recipe, block_tokens, backend) -> None:
 
 
 def _gpu_refusal(recipe, capability) -> Optional[str]:
-    """Why a GPU of this compute capability cannot run the recipe's kernels (None: it can): E4M3
-    operands (every quantized recipe's Q, V) need FP8 tensor cores (sm_89+), bf16 ones sm_80+. Refused
-    here, not by a compiler error deep in a kernel."""
+    """Why a GPU of this capability cannot run the recipe's kernels (None: it can), said here, not by a
+    compiler error: E4M3 operands (quantized recipes' Q, V) need FP8 tensor cores (sm_89+), bf16 sm_80+."""
     fp8 = _RECIPES[recipe].quantized
     if tuple(capability) >= ((8, 9) if fp8 else (8, 0)):
         return None
@@ -2155,14 +2106,11 @@ def flamia_attn_func(q, k, v, *, causal=True, softmax_scale=None, recipe="mxfp8"
     return (o, lse) if return_lse else o
 
 
-# ---------------------------------------------------------------------------------------------
-# 6b. Hugging Face transformers: FLAMIA as a model's attention (packed documents included)
-# ---------------------------------------------------------------------------------------------
-# transformers passes (B, H, S, D) query, (B, Hk, S, D) key/value, the rest as keywords. Packed rows
-# (DataCollatorWithFlattening) arrive ONLY as keywords (README), attention_mask None: an adapter that
-# ignores them attends across documents. So the documents come from cu_seq_lens_q/k, else from
-# position_ids (a new one wherever they restart), else one per row. Every layer gets the same tensor
-# object: the Plan is built on the first layer (one host read) and found by the others and the backward.
+# ---- 6b. Hugging Face transformers: FLAMIA as a model's attention (packed documents included) ----
+# transformers passes query (B, H, S, D), key/value (B, Hk, S, D), the rest as keywords. Packed rows
+# (DataCollatorWithFlattening) arrive ONLY as keywords, attention_mask None: an adapter that ignores them
+# attends across documents. Documents come from cu_seq_lens_q/k, else from position_ids, else one per row.
+# Every layer gets the same tensor: the first builds the Plan (one host read), the rest find it.
 _HF_PLANS = {}  # id(a batch's cu_seq_lens_q or position_ids) -> (stamp, Plan), while that tensor lives
 
 
@@ -2243,29 +2191,25 @@ def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BL
     return flamia_hf_attention
 
 
-# ---------------------------------------------------------------------------------------------
-# 7. Causality auditor: does an attention implementation leak the future or across documents?
-# ---------------------------------------------------------------------------------------------
-# Bitwise and black-box: run the implementation on an adversarial packed batch, then again with
-# one token's q, k or v replaced by a large outlier (enough to move any data-dependent scale:
-# per-token, per-block, per-tensor). Every output row that must not depend on that token (earlier
-# rows of its document, every row of other documents) must stay bit-identical, LSE too when the
-# implementation returns it. The layout has documents that start mid-block, lengths 1/31/32/33,
-# an empty document and a long one; positions probe the middle and the end of scale blocks.
+# ---- 7. Causality auditor: does an attention implementation leak the future or across documents? ----
+# Bitwise and black-box: run the implementation on an adversarial packed batch, then again with one token's
+# q, k or v replaced by a large outlier (enough to move any data-dependent scale: per-token, per-block,
+# per-tensor). Every output row that must not depend on that token (earlier rows of its document, every row
+# of other documents) must stay bit-identical, LSE too if returned. The layout has documents starting
+# mid-block, lengths 1/31/32/33, an empty one and a long one; positions probe middles and ends of blocks.
 AUDIT_DOC_LENS = (33, 1, 31, 0, 32, 161)
 
 
 def audit_causality(attn_fn, *, heads=2, kv_heads=None, head_dim=64, doc_lens=AUDIT_DOC_LENS,
                     positions=None, tensors=("q", "k", "v"), outlier=1e3, device=None,
                     dtype=torch.bfloat16, seed=0, gradients=False):
-    """Audit `attn_fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)` (flash-attn
-    varlen signature, causal self-attention; may return out or (out, lse)). positions: {doc index:
-    [positions]} to perturb (default: a few per document). Returns the findings, [] if safe: one
-    dict per (doc, position, tensor, kind) that leaked, kind "future" (an earlier row of the same
-    document changed) or "document" (a row of another document), with the number of changed rows
-    and the largest absolute change. gradients: also back-propagate a fixed dO; a token's row then
-    holds dQ too (a function of the tokens up to it), and for other documents dK and dV (an earlier
-    key's dK, dV legitimately depends on later queries)."""
+    """Audit `attn_fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)` (flash-attn varlen
+    signature, causal self-attention; may return out or (out, lse)). positions: {doc index: [positions]} to
+    perturb (default: a few per document). Returns the findings, [] if safe: one dict per (doc, position,
+    tensor, kind) that leaked, kind "future" (an earlier row of the same document changed) or "document" (a
+    row of another document), with the number of changed rows and the largest absolute change. gradients:
+    also back-propagate a fixed dO; a token's row then holds dQ too (a function of the tokens up to it), and
+    for other documents dK and dV (an earlier key's dK, dV legitimately depends on later queries)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     kv_heads = kv_heads or heads
     gen = torch.Generator().manual_seed(seed)
@@ -2314,10 +2258,9 @@ def audit_causality(attn_fn, *, heads=2, kv_heads=None, head_dim=64, doc_lens=AU
 
 
 def varlen_adapter(dense_fn):
-    """Wrap a causal attention callable on (batch, seqlen, heads, head_dim) tensors so that
-    audit_causality can drive it: the documents become the batch (zero-padded at their end, which a
-    causal row never sees), all in ONE call, so statistics shared across the batch (a per-tensor
-    scale, say) show up as document leaks."""
+    """Wrap a causal attention callable on (batch, seqlen, heads, head_dim) tensors for audit_causality: the
+    documents become the batch (zero-padded at their end, which a causal row never sees), all in ONE call,
+    so statistics shared across the batch (a per-tensor scale) show up as document leaks."""
     def fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         bounds = cu_seqlens_q.tolist()
         offs = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
@@ -2327,20 +2270,16 @@ def varlen_adapter(dense_fn):
     return fn
 
 
-# ---------------------------------------------------------------------------------------------
-# 8. Triton's CPU interpreter: numerics fixes, applied wherever FLAMIA's kernels are interpreted
-# ---------------------------------------------------------------------------------------------
-# With TRITON_INTERPRET=1 set before triton is imported, every kernel above runs on the CPU in
-# numpy. The interpreter (triton/runtime/interpreter.py; seen in 3.6 to 3.9) has numerics bugs that
-# would make FLAMIA silently wrong there (a bf16 forward off by ~1e9): (1) tl.dot on bf16 operands
-# multiplies the raw uint16 bit patterns; (2) float casts to bf16 / fp8 truncate, drop the rounding
-# carry into the exponent, mis-round subnormals and turn NaN/inf finite, widening ones too;
-# (3) int -> bf16 stores the value as raw bits. The GPU does all of it right. The fixes route
-# those operations through torch's correctly rounded casts; if the interpreter's internals have
-# moved, FLAMIA refuses to run interpreted rather than compute garbage.
+# ---- 8. Triton's CPU interpreter: numerics fixes, applied wherever FLAMIA's kernels are interpreted ----
+# With TRITON_INTERPRET=1 set before triton is imported, every kernel above runs on the CPU in numpy. The
+# interpreter (triton/runtime/interpreter.py; seen in 3.6 to 3.9) has numerics bugs that would make FLAMIA
+# silently wrong there (a bf16 forward off by ~1e9): (1) tl.dot on bf16 operands multiplies the raw uint16
+# bit patterns; (2) float casts to bf16 / fp8 truncate, drop the rounding carry into the exponent, mis-round
+# subnormals and turn NaN/inf finite, widening ones too; (3) int -> bf16 stores the value as raw bits. The
+# GPU does all of it right. The fixes route those operations through torch's correctly rounded casts; if the
+# interpreter's internals have moved, FLAMIA refuses to run interpreted rather than compute garbage.
 INTERPRETED = not isinstance(_attn_fwd, triton.runtime.JITFunction)
-# Older interpreters fail on these kernels (triton 3.6: a numpy TypeError on every kernel; 3.7: in
-# tl.dot_scaled); the GPU kernels run with triton >= 3.6.
+# Older interpreters fail on these kernels (3.6: numpy TypeErrors; 3.7: tl.dot_scaled); GPUs need >= 3.6.
 INTERPRETER_MIN_TRITON = (3, 8)
 
 
