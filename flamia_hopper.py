@@ -273,10 +273,10 @@ def _work_item(TILES, item, H, HK, BLOCK_N: gl.constexpr, BLOCK_TOKENS: gl.const
 # loader partition (1 warp): TMA into the ring
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, ks_desc, vs_desc, ring, EK, EV, EKS, EVS, TILES, T_KPAD, H, HK,
-            n_items, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, QUANT: gl.constexpr,
-            TILE_SAFEGUARD: gl.constexpr):
+def _loader(q_desc, k_desc, v_desc, ks_desc, vs_desc, ring, exps, TILES, T_KPAD, H, HK, n_items,
+            D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BLOCK_TOKENS: gl.constexpr,
+            CAUSAL: gl.constexpr, QUANT: gl.constexpr, TILE_SAFEGUARD: gl.constexpr):
+    _, EK, EV, EKS, EVS = exps
     c0 = 0  # ring position of the item's first key tile: the ring runs on across items
     for t in range(_items_of_cta(n_items)):  # Q buffer t % 2
         tile, h, hk, v_base, n_kt, n_unmasked = _work_item(TILES, _item(t), H, HK, BLOCK_N, BLOCK_TOKENS,
@@ -405,8 +405,9 @@ def _issue_s(c, q, ring, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
                          use_acc=False, is_async=True)
 
 @gluon.jit
-def _step(j, c0, s, state, ek1, ev1, q, qscale, rows, ring, EKd, EVd, tile, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-          QUANT: gl.constexpr, MASKED: gl.constexpr, LAST: gl.constexpr, ONE_SCALE: gl.constexpr):
+def _step(j, c0, s, state, ek1, ev1, q, qscale, rows, ring, EKd, EVd, tile, BLOCK_N: gl.constexpr,
+          STAGES: gl.constexpr, CAUSAL: gl.constexpr, QUANT: gl.constexpr, MASKED: gl.constexpr,
+          LAST: gl.constexpr, ONE_SCALE: gl.constexpr):
     """Key tile j (ring position c0 + j), whose S_j is in registers: issue S_{j+1} (unless LAST),
     softmax(S_j) while it runs, O = alpha_j O + P_j V_j. Returns S_{j+1} (S_j when LAST), the new
     state (O, m, l, ref) and the next tile's ONE_SCALE exponents.
@@ -447,10 +448,12 @@ def _step(j, c0, s, state, ek1, ev1, q, qscale, rows, ring, EKd, EVd, tile, BLOC
     return s, (acc, m_i, l_i, ref_i), ek1, ev1
 
 @gluon.jit
-def _consumer(ring, EQ, EK, EV, O, LSE, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK, n_items,
+def _consumer(ring, exps, out, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK, n_items,
               WG: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, QUANT: gl.constexpr,
               TILE_SAFEGUARD: gl.constexpr, ONE_SCALE: gl.constexpr):
+    EQ, EK, EV, _, _ = exps
+    O, LSE = out
     dtype: gl.constexpr = ring.q_s.dtype
     s_layout: gl.constexpr = _mma_layout(dtype, BLOCK_N)
     o_layout: gl.constexpr = _mma_layout(dtype, D)
@@ -518,11 +521,13 @@ def _consumer(ring, EQ, EK, EV, O, LSE, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPA
 # the kernel
 # ------------------------------------------------------------------------------------------------
 @gluon.jit
-def _attn_fwd_hopper(q_desc, k_desc, v_desc, ks_desc, vs_desc, EQ, EK, EV, EKS, EVS, O, LSE, TILES,
-                     sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK, n_items,
-                     D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, QUANT: gl.constexpr,
-                     TILE_SAFEGUARD: gl.constexpr):
+def _attn_fwd_hopper(q_desc, k_desc, v_desc, ks_desc, vs_desc, exps, out, TILES, sm_scale_log2, T_Q,
+                     T_QPAD, T_KPAD, H, HK, n_items, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr, BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr,
+                     QUANT: gl.constexpr, TILE_SAFEGUARD: gl.constexpr):
+    """TMA descriptors of Q, K, V and the safeguard's KS, VS (triton 3.6 launches a descriptor only
+    as a parameter of its own, never inside a tuple); exps: the exponent rows of Q, K, V, KS, VS;
+    out: O, LSE (attn_fwd says what each holds)."""
     # Q: two buffers x two warpgroups (64 rows each), so the next item's Q loads during this one
     q_s = gl.allocate_shared_memory(q_desc.dtype, [4] + q_desc.block_type.shape, q_desc.layout)
     k_s = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -549,15 +554,12 @@ def _attn_fwd_hopper(q_desc, k_desc, v_desc, ks_desc, vs_desc, EQ, EK, EV, EKS, 
     ONE_SCALE: gl.constexpr = QUANT and BLOCK_TOKENS % BLOCK_N == 0
     ring = Ring(q_s, k_s, v_s, sk_s, ev_s, q_bar, q_empty, k_ready, v_ready, sc_ready, kv_empty)
     gl.warp_specialize([
-        (_consumer, (ring, EQ, EK, EV, O, LSE, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK,
-                     n_items, 0, D, BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, QUANT, TILE_SAFEGUARD,
-                     ONE_SCALE)),
-        (_consumer, (ring, EQ, EK, EV, O, LSE, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK,
-                     n_items, 1, D, BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, QUANT, TILE_SAFEGUARD,
-                     ONE_SCALE)),
-        (_loader, (q_desc, k_desc, v_desc, ks_desc, vs_desc, ring, EK, EV, EKS, EVS, TILES,
-                   T_KPAD, H, HK, n_items, D, BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, QUANT,
-                   TILE_SAFEGUARD)),
+        (_consumer, (ring, exps, out, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK, n_items, 0, D,
+                     BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, QUANT, TILE_SAFEGUARD, ONE_SCALE)),
+        (_consumer, (ring, exps, out, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK, n_items, 1, D,
+                     BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, QUANT, TILE_SAFEGUARD, ONE_SCALE)),
+        (_loader, (q_desc, k_desc, v_desc, ks_desc, vs_desc, ring, exps, TILES, T_KPAD, H, HK, n_items,
+                   D, BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, QUANT, TILE_SAFEGUARD)),
     ], [4, 1], [240, 24])
 
 
@@ -651,7 +653,7 @@ def attn_fwd(q_data, q_exp, k_data, k_exp, v_data, v_exp, o, lse, tiles, *, soft
     if n_items == 0:
         return o, lse
     ctas = min(n_items, _sm_count(o.device))  # persistent: one CTA per SM
-    _attn_fwd_hopper[(ctas,)](qd, kd, vd, ksd, vsd, EQ, EK, EV, eks, evs, o, lse, tiles,
+    _attn_fwd_hopper[(ctas,)](qd, kd, vd, ksd, vsd, (EQ, EK, EV, eks, evs), (o, lse), tiles,
                               softmax_scale * 1.4426950408889634, Tq, EQ.shape[-1], EK.shape[-1],
                               H, HK, n_items,
                               D=D, BLOCK_N=BN, STAGES=STAGES, BLOCK_TOKENS=block_tokens,
@@ -749,10 +751,11 @@ def _stage_rows(LSEh, DELTAh, lse_slot, dl_slot, start_m, q_len, BLOCK_M: gl.con
     dl_slot.store(gl.load(DELTAh + offs, mask=m, other=0.0))
 
 @gluon.jit
-def _bwd_loader(q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, sm, LSE, DELTA, TILES, T_Q, H,
-                HK, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+def _bwd_loader(q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, sm, stats, TILES, T_Q, H, HK,
+                D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                 BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, TILE_SAFEGUARD: gl.constexpr,
                 FP8_KV: gl.constexpr):
+    LSE, DELTA = stats
     hk = gl.program_id(1)
     tile, q_lo, q_mid = _key_tile(TILES, BLOCK_M, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)
     k_start, qd_start, q_len = tile.start, tile.other_start, tile.q_len
@@ -784,12 +787,14 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, sm, LSE, DELT
             c += 1
 
 @gluon.jit
-def _dequantize_keys(K8, V8T, EK, EV, k_dst, v_dst, k0, k_end, p0, hk, HK, T_KPAD, D: gl.constexpr):
+def _dequantize_keys(fp8_kv, k_dst, v_dst, k0, k_end, p0, hk, HK, D: gl.constexpr):
     """FP8_KV: 64 keys [k0, k0 + 64) of K/V head hk from the forward's MXFP8 operands into the MMA's
     shared memory in bf16: E4M3 times 2^(e - 127), flamia's _dequantize_kernel (exact in bf16), in
-    place of its dequantized copies (their memory and their pass). K is row-major (T, HK, D), V
-    token-transposed (HK, D, T_pad); exponents (HK, T_pad) at padded column p0 for key k0. Keys past
-    k_end are zeros where TMA read the next document's: masked (P = dS = 0) either way."""
+    place of its dequantized copies (their memory and their pass). fp8_kv: K row-major (T, HK, D),
+    V token-transposed (HK, D, T_pad), their exponents (HK, T_pad), T_pad; key k0 is at padded
+    column p0. Keys past k_end are zeros where TMA read the next document's: masked (P = dS = 0)
+    either way."""
+    K8, V8T, EK, EV, T_KPAD = fp8_kv
     # 16 keys at a time (few registers live: this runs once per CTA, before dK and dV's)
     kl: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (D // 16), D // 16], [4, 1], [1, 0])
     vl: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [1, 4], [0, 1])
@@ -891,10 +896,11 @@ def _bwd_step(c, sm, dk, dv, pos_k, kd_len, start_m, shift, DQh, dq_desc, dq_row
     return dk, dv
 
 @gluon.jit
-def _bwd_consumer(sm, DQ, dq_desc, DK, DV, K8, V8T, EK, EV, T_KPAD, TILES, sm_scale, T_K, H, HK,
-                  WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr,
-                  TILE_SAFEGUARD: gl.constexpr, FP8_KV: gl.constexpr):
+def _bwd_consumer(sm, DQ, dq_desc, grads, fp8_kv, TILES, sm_scale, T_K, H, HK, WG: gl.constexpr,
+                  D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, TILE_SAFEGUARD: gl.constexpr,
+                  FP8_KV: gl.constexpr):
+    DK, DV = grads
     hk = gl.program_id(1)
     tile, q_lo, q_mid = _key_tile(TILES, BLOCK_M, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD)
     k_start, k_end, qd_start, q_len, shift = tile.start, tile.end, tile.other_start, tile.q_len, tile.shift
@@ -905,8 +911,8 @@ def _bwd_consumer(sm, DQ, dq_desc, DK, DV, K8, V8T, EK, EV, T_KPAD, TILES, sm_sc
     sm_scale_log2 = sm_scale * 1.4426950408889634
     if FP8_KV:  # before dK, dV's registers are live
         p0 = gl.load(tile.row + flamia.OWN_PAD) + k_start - tile.doc_start  # the padded column
-        _dequantize_keys(K8, V8T, EK, EV, sm.k_s.slice(WG * 64, 64), sm.v_s.slice(WG * 64, 64),
-                         k_start + WG * 64, k_end, p0 + WG * 64, hk, HK, T_KPAD, D)
+        _dequantize_keys(fp8_kv, sm.k_s.slice(WG * 64, 64), sm.v_s.slice(WG * 64, 64),
+                         k_start + WG * 64, k_end, p0 + WG * 64, hk, HK, D)
         fence_async_shared()
         gl.thread_barrier()  # the whole warpgroup's stores precede its arrival
         mbarrier.arrive(sm.kv_ready.index(0), count=1)
@@ -949,11 +955,13 @@ def _bwd_consumer(sm, DQ, dq_desc, DK, DV, K8, V8T, EK, EV, T_KPAD, TILES, sm_sc
     gl.store(DV + ptrs, dv.to(DV.dtype.element_ty), mask=kmask)
 
 @gluon.jit
-def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, K8, V8T, EK, EV, T_KPAD, LSE,
-                     DELTA, DQ, dq_desc, DK, DV, TILES, sm_scale, T_Q, T_K, H, HK, D: gl.constexpr,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     BLOCK_TOKENS: gl.constexpr, CAUSAL: gl.constexpr, TILE_SAFEGUARD: gl.constexpr,
-                     FP8_KV: gl.constexpr):
+def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, fp8_kv, stats, DQ, dq_desc, grads,
+                     TILES, sm_scale, T_Q, T_K, H, HK, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, BLOCK_TOKENS: gl.constexpr,
+                     CAUSAL: gl.constexpr, TILE_SAFEGUARD: gl.constexpr, FP8_KV: gl.constexpr):
+    """TMA descriptors of Q, dO, K, V, the safeguard's KS, VS (each a parameter of its own: see the
+    forward); fp8_kv: with FP8_KV the forward's MXFP8 K, V^T, their exponents and T_pad; stats: LSE,
+    Delta; DQ: the fp32 dQ and its descriptor; grads: dK, dV (attn_bwd says what each holds)."""
     kv_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16)  # = _desc's
     k_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, D], kv_l)
     v_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, D], kv_l)
@@ -991,14 +999,12 @@ def _attn_bwd_hopper(q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, K8, V8T,
     sm = BwdSmem(k_s, v_s, ks_s, vs_s, q_s, do_s, lse_s, dl_s, ds_s, dq_s, kv_ready, q_ready,
                  st_ready, q_free, ds_ready)
     gl.warp_specialize([
-        (_bwd_consumer, (sm, DQ, dq_desc, DK, DV, K8, V8T, EK, EV, T_KPAD, TILES, sm_scale, T_K, H,
-                         HK, 0, D, BLOCK_M, BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD,
-                         FP8_KV)),
-        (_bwd_consumer, (sm, DQ, dq_desc, DK, DV, K8, V8T, EK, EV, T_KPAD, TILES, sm_scale, T_K, H,
-                         HK, 1, D, BLOCK_M, BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD,
-                         FP8_KV)),
-        (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, sm, LSE, DELTA, TILES,
-                       T_Q, H, HK, D, BLOCK_M, STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD, FP8_KV)),
+        (_bwd_consumer, (sm, DQ, dq_desc, grads, fp8_kv, TILES, sm_scale, T_K, H, HK, 0, D, BLOCK_M,
+                         BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD, FP8_KV)),
+        (_bwd_consumer, (sm, DQ, dq_desc, grads, fp8_kv, TILES, sm_scale, T_K, H, HK, 1, D, BLOCK_M,
+                         BLOCK_N, STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD, FP8_KV)),
+        (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, ks_desc, vs_desc, sm, stats, TILES, T_Q, H, HK,
+                       D, BLOCK_M, STAGES, BLOCK_TOKENS, CAUSAL, TILE_SAFEGUARD, FP8_KV)),
     ], [4, 1], [240, 24])
 
 
@@ -1046,8 +1052,8 @@ def attn_bwd(q, k, v, ks, vs, do, lse, delta, dk, dv, tiles, *, softmax_scale, c
     ksd = _desc(ks, (Tk, HK * D), (HK * D, 1), (BN, D)) if tile_safeguard else None
     vsd = _desc(vs, (Tk, HK * D), (HK * D, 1), (BN, D)) if tile_safeguard else None
     dqd = None if tile_safeguard else _desc(dq, (Tq, H * D), (H * D, 1), (BM, D // 2))
-    _attn_bwd_hopper[(tiles.shape[0], HK)](qd, dod, kd, vd, ksd, vsd, k8, v8t, ek, ev, ek.shape[-1],
-                                           lse, delta, dq, dqd, dk, dv, tiles, softmax_scale, Tq,
+    _attn_bwd_hopper[(tiles.shape[0], HK)](qd, dod, kd, vd, ksd, vsd, (k8, v8t, ek, ev, ek.shape[-1]),
+                                           (lse, delta), dq, dqd, (dk, dv), tiles, softmax_scale, Tq,
                                            Tk, H, HK, D=D, BLOCK_M=BM, BLOCK_N=BN, STAGES=2,
                                            BLOCK_TOKENS=block_tokens, CAUSAL=causal,
                                            TILE_SAFEGUARD=tile_safeguard,
