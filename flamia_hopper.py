@@ -318,8 +318,8 @@ def _loader(q_desc, k_desc, v_desc, ks_desc, vs_desc, ring, exps, TILES, T_KPAD,
                 # which hides their latency), staged as 2^(ek-127) fp32 and ev - 127 int32 so that
                 # the consumers do no global loads and no conversions.
                 _stage_scales(EK + col, EV + col, EKS + col, EVS + col, ring.sk_s.index(s),
-                              ring.ev_s.index(s), n0, kd_start + tile.k_len, TILE_SAFEGUARD and j >= n_unmasked,
-                              BLOCK_N)
+                              ring.ev_s.index(s), n0, kd_start + tile.k_len,
+                              TILE_SAFEGUARD and j >= n_unmasked, BLOCK_N)
                 _release(ring.sc_ready, c, STAGES)
         c0 += n_kt
 
@@ -570,7 +570,8 @@ BLOCK_M = 128  # query rows per CTA (2 warpgroups x 64): the Plan's tile table m
 
 
 def default_config(quant: bool, D: int) -> dict:
-    """BLOCK_N, STAGES (quant: MXFP8 operands, else bf16). Shared memory: Q 2*64*D + STAGES*(K + V) tiles."""
+    """BLOCK_N, STAGES (quant: MXFP8 operands, else bf16). Shared memory: Q 2*64*D + STAGES*(K + V)
+    tiles."""
     if not quant:
         return dict(BLOCK_N=128, STAGES=2 if D == 128 else 3)
     return dict(BLOCK_N=128, STAGES=4 if D == 128 else 5)
@@ -824,12 +825,14 @@ def _times_exp2(x, e, ok):
     return gl.where(gl.expand_dims(ok, 1), y, 0.0).to(gl.bfloat16)
 
 @gluon.jit
-def _bwd_step(c, sm, dk, dv, pos_k, kd_len, start_m, shift, DQh, dq_desc, dq_row, dq_col, q_len, H,
-              sm_scale_log2, WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASKED: gl.constexpr, COPIES: gl.constexpr,
-              DQ_TMA: gl.constexpr):
-    """One query tile (ring position c) for this warpgroup's 64 keys: dK, dV updated, dQ added.
-    Every MMA issued here is retired here (see the forward's _step)."""
+def _bwd_step(c, sm, dk, dv, pos_k, kd_len, start_m, shift, dq_dst, q_len, H, sm_scale_log2,
+              WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, MASKED: gl.constexpr, COPIES: gl.constexpr, DQ_TMA: gl.constexpr):
+    """One query tile (ring position c) for this warpgroup's 64 keys: dK, dV updated, dQ added to
+    dq_dst: the query head's fp32 dQ rows (atomics), or the TMA descriptor with the document's first
+    row and this warpgroup's first column. Every MMA issued here is retired here (see the forward's
+    _step)."""
+    DQh, dq_desc, dq_row, dq_col = dq_dst
     dtype: gl.constexpr = gl.bfloat16
     s_layout: gl.constexpr = _mma_layout(dtype, BLOCK_M)
     o_layout: gl.constexpr = dk.type.layout
@@ -928,22 +931,21 @@ def _bwd_consumer(sm, DQ, dq_desc, grads, fp8_kv, TILES, sm_scale, T_K, H, HK, W
     c = 0
     for i in range(H // HK):
         hq = hk * (H // HK) + i
-        DQh = DQ + (qd_start * H + hq) * D
-        dq_col = hq * D + WG * (D // 2)
+        dq_dst = (DQ + (qd_start * H + hq) * D, dq_desc, qd_start, hq * D + WG * (D // 2))
         for j in range(0, n_diag):
-            dk, dv = _bwd_step(c + j, sm, dk, dv, pos_k, kd_len, q_lo + j * BLOCK_M, shift, DQh,
-                               dq_desc, qd_start, dq_col, q_len, H, sm_scale_log2, WG, D, BLOCK_M,
-                               STAGES, CAUSAL, True, TILE_SAFEGUARD, DQ_TMA)
+            dk, dv = _bwd_step(c + j, sm, dk, dv, pos_k, kd_len, q_lo + j * BLOCK_M, shift, dq_dst, q_len,
+                               H, sm_scale_log2, WG, D, BLOCK_M, STAGES, CAUSAL, True, TILE_SAFEGUARD,
+                               DQ_TMA)
         if partial:
             for j in range(n_diag, n_m):
-                dk, dv = _bwd_step(c + j, sm, dk, dv, pos_k, kd_len, q_lo + j * BLOCK_M, shift,
-                                   DQh, dq_desc, qd_start, dq_col, q_len, H, sm_scale_log2, WG, D,
-                                   BLOCK_M, STAGES, CAUSAL, True, False, DQ_TMA)
+                dk, dv = _bwd_step(c + j, sm, dk, dv, pos_k, kd_len, q_lo + j * BLOCK_M, shift, dq_dst,
+                                   q_len, H, sm_scale_log2, WG, D, BLOCK_M, STAGES, CAUSAL, True, False,
+                                   DQ_TMA)
         else:
             for j in range(n_diag, n_m):
-                dk, dv = _bwd_step(c + j, sm, dk, dv, pos_k, kd_len, q_lo + j * BLOCK_M, shift,
-                                   DQh, dq_desc, qd_start, dq_col, q_len, H, sm_scale_log2, WG, D,
-                                   BLOCK_M, STAGES, CAUSAL, False, False, DQ_TMA)
+                dk, dv = _bwd_step(c + j, sm, dk, dv, pos_k, kd_len, q_lo + j * BLOCK_M, shift, dq_dst,
+                                   q_len, H, sm_scale_log2, WG, D, BLOCK_M, STAGES, CAUSAL, False, False,
+                                   DQ_TMA)
         c += n_m
     if DQ_TMA:
         tma.store_wait(0)  # the shared memory stays allocated until the last reduce has read it
