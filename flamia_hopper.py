@@ -390,9 +390,11 @@ def _v_operand(v_s, st, QUANT: gl.constexpr):
         return v_s.index(st)
 
 @gluon.jit
-def _block_scales(EKd, EVd, n, kd_len):
+def _block_scales(exps_d, n, kd_len):
     """ONE_SCALE: the exponents of the scale block at document-relative key n (ek biased, ev
-    unbiased; past the document: 2^0 and -126, which never raise the reference exponent)."""
+    unbiased; past the document: 2^0 and -126, which never raise the reference exponent), from
+    exps_d: the exponent rows of K and V at the document's first key."""
+    EKd, EVd = exps_d
     ek = gl.load(EKd + n, mask=n < kd_len, other=127).to(gl.int32)
     return ek, gl.load(EVd + n, mask=n < kd_len, other=1).to(gl.int32) - 127
 
@@ -405,16 +407,18 @@ def _issue_s(c, q, ring, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
                          use_acc=False, is_async=True)
 
 @gluon.jit
-def _step(j, c0, s, state, ek1, ev1, q, qscale, rows, ring, EKd, EVd, tile, BLOCK_N: gl.constexpr,
+def _step(j, c0, s, state, blk, q, qscale, rows, ring, exps_d, tile, BLOCK_N: gl.constexpr,
           STAGES: gl.constexpr, CAUSAL: gl.constexpr, QUANT: gl.constexpr, MASKED: gl.constexpr,
           LAST: gl.constexpr, ONE_SCALE: gl.constexpr):
     """Key tile j (ring position c0 + j), whose S_j is in registers: issue S_{j+1} (unless LAST),
-    softmax(S_j) while it runs, O = alpha_j O + P_j V_j. Returns S_{j+1} (S_j when LAST), the new
-    state (O, m, l, ref) and the next tile's ONE_SCALE exponents.
+    softmax(S_j) while it runs, O = alpha_j O + P_j V_j. blk: this tile's ONE_SCALE exponents (ek,
+    ev; _block_scales). Returns S_{j+1} (S_j when LAST), the new state (O, m, l, ref) and the next
+    tile's blk.
     MASKED tiles issue S_{j+1} after P_j V_j instead: their mask temporaries and S_{j+1}'s 64
     accumulator registers do not fit together in 240 (ptxas spilled ~0.7 KB), and they are one or
     two tiles per query tile."""
     acc, m_i, l_i, ref_i = state
+    ek1, ev1 = blk
     dtype: gl.constexpr = q.dtype
     s_layout: gl.constexpr = s.type.layout
     o_layout: gl.constexpr = acc.type.layout
@@ -430,7 +434,7 @@ def _step(j, c0, s, state, ek1, ev1, q, qscale, rows, ring, EKd, EVd, tile, BLOC
                                          ring.sk_s.index(st), ring.ev_s.index(st), ek1, ev1, tile,
                                          CAUSAL, QUANT, MASKED, one)
     if one:  # the next tile's scalar scales, loaded a tile ahead (their latency hides here)
-        ek1, ev1 = _block_scales(EKd, EVd, (j + 1) * BLOCK_N, tile.k_len)
+        ek1, ev1 = _block_scales(exps_d, (j + 1) * BLOCK_N, tile.k_len)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     p = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(
         operand_index=0, parent=o_layout, k_width=32 // dtype.primitive_bitwidth))
@@ -445,7 +449,7 @@ def _step(j, c0, s, state, ek1, ev1, q, qscale, rows, ring, EKd, EVd, tile, BLOC
     # for an MMA as early as it can, so the softmax overlaps the MMA issued BEFORE it (S_{j+1}).
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
     _release(ring.kv_empty, c, STAGES)  # K_j and V_j are consumed
-    return s, (acc, m_i, l_i, ref_i), ek1, ev1
+    return s, (acc, m_i, l_i, ref_i), (ek1, ev1)
 
 @gluon.jit
 def _consumer(ring, exps, out, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK, n_items,
@@ -467,8 +471,7 @@ def _consumer(ring, exps, out, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK,
         qmask = rows < tile.end
         # Exponent rows (H, T_padded) use the padded token layout (a document at its 16-aligned
         # column): pointers shifted so that they are indexed by token, head and document included.
-        EKd = EK + hk * T_KPAD + v_base  # this document's first key
-        EVd = EV + hk * T_KPAD + v_base
+        exps_d = (EK + hk * T_KPAD + v_base, EV + hk * T_KPAD + v_base)  # this document's first key
         if QUANT:
             own_pad = gl.load(tile.row + flamia.OWN_PAD)
             eq = gl.load(EQ + h * T_QPAD + (own_pad - tile.doc_start) + rows, mask=qmask, other=127)
@@ -481,24 +484,23 @@ def _consumer(ring, exps, out, TILES, sm_scale_log2, T_Q, T_QPAD, T_KPAD, H, HK,
         _acquire_filled(ring.q_bar, 2 * t + WG, 4)
         q = ring.q_s.index((2 * t + WG) % 4)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(_issue_s(c0, q, ring, BLOCK_N, STAGES),))
-        ek1 = 0
-        ev1 = 0
+        blk = (0, 0)
         if ONE_SCALE:
-            ek1, ev1 = _block_scales(EKd, EVd, 0, tile.k_len)
+            blk = _block_scales(exps_d, 0, tile.k_len)
         # Tiles every row sees in full (no mask), then the masked ones; the last issues no S.
         n_free = gl.minimum(n_unmasked, n_kt - 1)
         for j in range(0, n_free):
-            s, state, ek1, ev1 = _step(j, c0, s, state, ek1, ev1, q, qscale, rows, ring, EKd, EVd, tile,
-                                       BLOCK_N, STAGES, CAUSAL, QUANT, False, False, ONE_SCALE)
+            s, state, blk = _step(j, c0, s, state, blk, q, qscale, rows, ring, exps_d, tile, BLOCK_N,
+                                  STAGES, CAUSAL, QUANT, False, False, ONE_SCALE)
         for j in range(n_free, n_kt - 1):
-            s, state, ek1, ev1 = _step(j, c0, s, state, ek1, ev1, q, qscale, rows, ring, EKd, EVd, tile,
-                                       BLOCK_N, STAGES, CAUSAL, QUANT, True, False, ONE_SCALE)
+            s, state, blk = _step(j, c0, s, state, blk, q, qscale, rows, ring, exps_d, tile, BLOCK_N,
+                                  STAGES, CAUSAL, QUANT, True, False, ONE_SCALE)
         if n_kt - 1 < n_unmasked:
-            s, state, ek1, ev1 = _step(n_kt - 1, c0, s, state, ek1, ev1, q, qscale, rows, ring, EKd, EVd,
-                                       tile, BLOCK_N, STAGES, CAUSAL, QUANT, False, True, ONE_SCALE)
+            s, state, blk = _step(n_kt - 1, c0, s, state, blk, q, qscale, rows, ring, exps_d, tile,
+                                  BLOCK_N, STAGES, CAUSAL, QUANT, False, True, ONE_SCALE)
         else:
-            s, state, ek1, ev1 = _step(n_kt - 1, c0, s, state, ek1, ev1, q, qscale, rows, ring, EKd, EVd,
-                                       tile, BLOCK_N, STAGES, CAUSAL, QUANT, True, True, ONE_SCALE)
+            s, state, blk = _step(n_kt - 1, c0, s, state, blk, q, qscale, rows, ring, exps_d, tile,
+                                  BLOCK_N, STAGES, CAUSAL, QUANT, True, True, ONE_SCALE)
         acc, m_i, l_i, ref_i = state
         _release(ring.q_empty, 2 * t + WG, 4)  # every S of this item is retired
         c0 += n_kt
