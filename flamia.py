@@ -351,8 +351,8 @@ class Plan:
         self.device = torch.device(device) if device is not None else cu_seqlens_q.device
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current GPU
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.cu_seqlens_q = cu_seqlens_q.to(self.device, non_blocking=True)
-        self.cu_seqlens_k = self.cu_seqlens_q if same else cu_seqlens_k.to(self.device)
+        self.cu_seqlens_q = _to_device(cu_seqlens_q, self.device)
+        self.cu_seqlens_k = self.cu_seqlens_q if same else _to_device(cu_seqlens_k, self.device)
         self.total_q, self.total_k = self.offsets_q[-1], self.offsets_k[-1]
         # self-attention: one tile table for both sides (Q, K and V share a quantizer launch)
         self.same_documents = same or self.offsets_q == self.offsets_k
@@ -394,31 +394,40 @@ class Plan:
 
     def tiles(self, block: int, side: str, causal: bool = True, skip_masked: bool = True):
         """(n_tiles, 8) int32 table of the `block`-token tiles of the `side` ("q" or "k") documents, on
-        the plan's device (cached); skip_masked=False keeps masked tiles (the quantizer sees each token)."""
+        the plan's device (cached); skip_masked=False keeps masked tiles (the quantizer sees each token).
+        Built with tensor ops, not a loop per tile, and copied without a GPU sync: a training step builds
+        its tables in its first layer's forward and backward, where a sync would drain the GPU's queue."""
         key = (block, side, causal, skip_masked)
         if key not in self._tables:
-            q_side = side == "q"
             q, k = (self.offsets_q, self.pad_q), (self.offsets_k, self.pad_k)
-            (own, own_pad), (other, other_pad) = (q, k) if q_side else (k, q)
-            rows = []  # (-cost, table row)
-            for d in range(len(own) - 1):
-                o0, o1, t0, t1 = own[d], own[d + 1], other[d], other[d + 1]
-                lq, lk = (o1 - o0, t1 - t0) if q_side else (t1 - t0, o1 - o0)
-                shift = lk - lq  # bottom-right causal alignment: key pos <= query pos + shift
-                for s in range(o0, o1, block):
-                    e = min(s + block, o1)
-                    if not causal or not skip_masked:
-                        cost = t1 - t0
-                    elif q_side:  # keys visible to the tile's last row
-                        cost = min(lk, max(0, e - o0 + shift))
-                    else:  # queries that see the tile's first key (query pos >= key pos - shift)
-                        cost = min(lq, max(0, lq - max(0, s - o0 - shift)))
-                    if cost > 0 or not skip_masked:  # a fully masked tile is never launched
-                        rows.append((-cost, (s, e, o0, o1, t0, t1, other_pad[d], own_pad[d])))
-            rows.sort(key=lambda r: r[0])  # LPT: heaviest first (a stable sort: ties keep their order)
-            table = torch.tensor([r for _, r in rows], dtype=torch.int32).view(-1, 8)
-            self._tables[key] = table.to(self.device)
+            (own, own_pad), (other, other_pad) = (q, k) if side == "q" else (k, q)
+            own, other, own_pad, other_pad = (torch.tensor(x) for x in (own, other, own_pad, other_pad))
+            n = (own.diff() + block - 1) // block  # tiles per document
+            d = torch.repeat_interleave(torch.arange(len(n)), n)  # each tile's document
+            o0, o1, t0, t1 = own[d], own[d + 1], other[d], other[d + 1]
+            s = o0 + (torch.arange(len(d)) - (n.cumsum(0) - n)[d]) * block  # start-aligned tiles
+            e = torch.minimum(s + block, o1)
+            lq, lk = (o1 - o0, t1 - t0) if side == "q" else (t1 - t0, o1 - o0)
+            shift = lk - lq  # bottom-right causal alignment: key pos <= query pos + shift
+            if not causal or not skip_masked:
+                cost = t1 - t0
+            elif side == "q":  # keys visible to the tile's last row
+                cost = torch.minimum(lk, (e - o0 + shift).clamp(min=0))
+            else:  # queries that see the tile's first key (query pos >= key pos - shift)
+                cost = torch.minimum(lq, (lq - (s - o0 - shift).clamp(min=0)).clamp(min=0))
+            keep = (cost > 0) | (not skip_masked)  # a fully masked tile is never launched
+            rows = torch.stack([s, e, o0, o1, t0, t1, other_pad[d], own_pad[d]], 1)[keep]
+            order = torch.sort(-cost[keep], stable=True).indices  # LPT: heaviest first, ties in document order
+            self._tables[key] = _to_device(rows[order].to(torch.int32), self.device)
         return self._tables[key]
+
+
+def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """x on `device`, from the host without a GPU sync: a pageable host tensor's copy waits for the
+    GPU's queue to drain (torch syncs the stream), a pinned one's is queued behind it."""
+    if x.device.type == "cpu" and device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
 
 
 flamia_plan = Plan  # the Plan of a batch: build it once and pass it as plan= to every layer

@@ -1028,6 +1028,33 @@ def test_plan_device_cuda_means_current_gpu():
     assert out.shape == q.shape and bool(torch.isfinite(out).all())
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a GPU sync is what is tested")
+@pytest.mark.parametrize("recipe", ["mxfp8", "bf16"])
+def test_a_training_step_does_not_sync(recipe):
+    """A trainer builds a plan per batch from host offsets and its tables inside the step (first layer's
+    forward and backward): none of that, nor the calls, may wait for the GPU (a sync drains its queue).
+    torch's sync debug mode raises at the first synchronizing call; with a pageable table copy it does."""
+    cu = torch.tensor([0, 300, 301, 700, 1024], dtype=torch.int32)
+    q, k, v = (torch.randn(1024, h, 64, device="cuda", dtype=BF16, requires_grad=True) for h in (4, 2, 2))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        plan = flamia.flamia_plan(cu, device="cuda")
+        out = flamia.flamia_attn_varlen_func(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k, 400, 400,
+                                             recipe=recipe, plan=plan)
+        out.backward(torch.ones_like(out))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+    with pytest.raises(RuntimeError, match="synchroniz"):  # the test's teeth: a pageable copy does sync
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            cu.to("cuda")
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
 # ---------------------------------------------------------------------------------------------
 # 8. Forward kernel vs the oracle of the same recipe
 # ---------------------------------------------------------------------------------------------
