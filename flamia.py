@@ -107,8 +107,7 @@ def quantize_fp4_reference(x: torch.Tensor, fmt: str = "nvfp4"):
         s2 = torch.where(s2 > 0, s2, torch.ones_like(s2))  # all-zero token: any scale, codes are 0
         xb = xf.view(T, H, D // NVFP4_BLOCK, NVFP4_BLOCK)
         amax_b = xb.abs().amax(-1)
-        sb = (amax_b / torch.full_like(amax_b, E2M1_MAX) / s2[..., None]).clamp(max=E4M3_MAX)
-        sb = sb.to(torch.float8_e4m3fn)
+        sb = (amax_b / torch.full_like(amax_b, E2M1_MAX) / s2[..., None]).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
         denom = sb.float() * s2[..., None]
         denom = torch.where(denom > 0, denom, torch.ones_like(denom))
     codes = e2m1_encode(xb / denom[..., None]).view(T, H, D)
@@ -364,8 +363,7 @@ class Plan:
         self.padded_q, self.padded_k = (padded_tokens(n, len(lens)) for n in (self.total_q, self.total_k))
         # Rows that see no key at all (bottom-right causal with Lq > Lk, or an empty key document):
         # their tiles are never launched, so their outputs must start as 0 (and their LSE as -inf).
-        self.rows_without_keys = {True: any(lq > lk for lq, lk in lens),
-                                  False: any(lk == 0 < lq for lq, lk in lens)}
+        self.rows_without_keys = {True: any(lq > lk for lq, lk in lens), False: any(lk == 0 < lq for lq, lk in lens)}
         self.keys_without_rows = any(lq == 0 < lk for lq, lk in lens)  # dK, dV must start as 0
         # Divides every causal shift Lk - Lq (0: all are 0, the training case); see _tile_safeguard
         self.shift_gcd = math.gcd(*(lk - lq for lq, lk in lens))
@@ -381,8 +379,7 @@ class Plan:
         plan's own tensors, unchanged since, pass without a host sync; another tensor is compared
         once (one sync) and remembered until it changes in place."""
         side = name[-1]
-        known = self._known.get((id(cu), side))
-        if known is not None and known[0]() is cu and known[1] == cu._version:
+        if (known := self._known.get((id(cu), side))) and known[0]() is cu and known[1] == cu._version:
             return
         offsets = self.offsets_q if side == "q" else self.offsets_k
         if cu.shape != (len(offsets),) or cu.tolist() != offsets:
@@ -416,8 +413,7 @@ class Plan:
                     if cost > 0 or not skip_masked:  # a fully masked tile is never launched
                         rows.append((-cost, (s, e, o0, o1, t0, t1, other_pad[d], own_pad[d])))
             rows.sort(key=lambda r: r[0])  # LPT: heaviest first (a stable sort: ties keep their order)
-            table = torch.tensor([r for _, r in rows], dtype=torch.int32).view(-1, 8)
-            self._tables[key] = table.to(self.device)
+            self._tables[key] = torch.tensor([r for _, r in rows], dtype=torch.int32).view(-1, 8).to(self.device)
         return self._tables[key]
 
 
@@ -496,8 +492,7 @@ def quantize_mxfp8_reference(x: torch.Tensor, cu_seqlens: torch.Tensor, block_to
     amax = x.float().abs().amax(-1)  # (T, H); NaN propagates, so a NaN token gets e = 0xFF
     if block_tokens > 1:
         idx = token_block_start(cu_seqlens, T, block_tokens)[:, None].expand(T, H)
-        amax = torch.zeros_like(amax).scatter_reduce(0, idx, amax, "amax", include_self=False)
-        amax = amax.gather(0, idx)
+        amax = torch.zeros_like(amax).scatter_reduce(0, idx, amax, "amax", include_self=False).gather(0, idx)
     e = e8m0_exponent(amax)  # (T, H)
     inv = torch.ldexp(torch.ones_like(amax), 127 - e.int().clamp(max=253))  # 1/s, exact
     exp = e.new_ones(H, padded_tokens(T, cu_seqlens.numel() - 1))  # padding: zero tokens, e = 1
@@ -714,8 +709,7 @@ def quantize_mxfp8_launch(x: torch.Tensor, plan: Plan, block_tokens: int = 1, si
     def alloc(x, transposed, tok):  # x's MXFP8 (with its per-token copy if tok), to be written
         new = lambda: MXFP8(None if transposed else x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
                             x.new_empty(x.shape[1], t_pad, dtype=torch.uint8),
-                            x.new_empty(x.shape[1], D, t_pad, dtype=torch.float8_e4m3fn)
-                            if transposed else None)
+                            x.new_empty(x.shape[1], D, t_pad, dtype=torch.float8_e4m3fn) if transposed else None)
         return new()._replace(tok=new()) if tok else new()
 
     def outputs(m):  # the kernel's Y, E, YT, Y_TOK, E_TOK, YT_TOK for m (Y and YT: the same data)
@@ -839,10 +833,8 @@ def _rotate_qk(q, k, softmax_scale):
 def _fake_quant(x: torch.Tensor, cu_seqlens: torch.Tensor, block_tokens: int, fmt: str = "e4m3"):
     """x dequantized (fp32: FP4's s2 is not bf16), exactly (x - x is 0), with the identity gradient
     to x. (x + (deq - x) would round twice: not bit for bit the dequantized operand.)"""
-    if fmt == "e4m3":
-        deq = quantize_mxfp8_reference(x.detach(), cu_seqlens, block_tokens).dequantize(cu_seqlens)
-    else:
-        deq = dequantize_fp4(*quantize_fp4_reference(x.detach(), fmt))
+    deq = (quantize_mxfp8_reference(x.detach(), cu_seqlens, block_tokens).dequantize(cu_seqlens) if fmt == "e4m3"
+           else dequantize_fp4(*quantize_fp4_reference(x.detach(), fmt)))
     x = x.float()
     return deq + (x - x.detach())
 
@@ -925,8 +917,7 @@ _FWD_TILES = dict(bf16=(128, 128, 64, 8, 3), e4m3=(64, 128, 32, 4, 3), fp4_decod
 _FWD_TILES_SM100 = dict(e4m3=(128, 128, 32, 8, 3), fp4_packed=(128, 32, 32, 8, 3))
 TILES = {  # D=128, per pair: three stages of four bf16 key tiles need 256 KiB of shared memory (H200: 227)
     128: Tiles(_FWD_TILES, _FWD_TILES_SM100, (32, 128, 8, 3), (32, 64, 8, 1), (128, 64, 8, 3), 2),
-    64: Tiles(_FWD_TILES, _FWD_TILES_SM100, (32, 128, 8, 3), (32, 64, 4, 1), (128, 64, 8, 3), 3),
-}
+    64: Tiles(_FWD_TILES, _FWD_TILES_SM100, (32, 128, 8, 3), (32, 64, 4, 1), (128, 64, 8, 3), 3)}
 HEAD_DIMS = tuple(sorted(TILES))
 
 
@@ -996,8 +987,7 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
     below, each choice measured fastest where it is taken; the tl backward with deterministic=True.
     Without a plan the safeguard modes (None), and refusals they decide, are unknown."""
     r, D = _RECIPES[recipe], x.shape[-1]
-    row = TILES.get(D)
-    if row is None:
+    if (row := TILES.get(D)) is None:
         raise ValueError(f"head_dim {D} has no tiles: add a row to flamia.TILES (rows: {sorted(TILES)})")
     copies = _token_copies(r, causal, safeguard, block_tokens)
     mode = lambda blocks: (None if plan is None else "off" if not copies else
@@ -1037,8 +1027,7 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
     if gluon_bwd and not gluon_refusal(gluon_dkdv):  # dQ's adds in no fixed order: not deterministic
         bwd, dkdv, modes = "gluon", gluon_dkdv(), (modes[0], mode(gluon_dkdv()[:2]), None)
     kernel = {"tl": _attn_fwd, "dot_scaled": _attn_fwd_blackwell}.get(backend)
-    quantize_q = (kernel is _attn_fwd and r.quantized and plan is not None
-                  and not plan.rows_without_keys[causal])
+    quantize_q = kernel is _attn_fwd and r.quantized and plan is not None and not plan.rows_without_keys[causal]
     return Variant(r, backend, None, kernel, tma, k_operand, copies, fwd, dkdv, dq, modes, bwd, quantize_q)
 
 
@@ -1477,8 +1466,7 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
     (Tq, H, D), (Tk, HK) = q.shape, k.shape[:2]
     empty_rows = plan.rows_without_keys[causal]
     o = (torch.zeros if empty_rows else torch.empty)(Tq, H, D, dtype=q.dtype, device=q.device)
-    lse = (torch.full((H, Tq), float("-inf"), device=q.device) if empty_rows
-           else torch.empty(H, Tq, device=q.device))
+    lse = torch.full((H, Tq), float("-inf"), device=q.device) if empty_rows else torch.empty(H, Tq, device=q.device)
     tiles = plan.tiles(var.fwd[0], "q", causal)
     if not var.recipe.quantized:
         ops = ops._replace(q=q.contiguous(), k=k.contiguous(), v_t=v.contiguous())
@@ -1486,16 +1474,14 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
         kw = dict(softmax_scale=softmax_scale, causal=causal, block_tokens=block_tokens)
         if not var.recipe.quantized:
             return flamia_hopper.attn_fwd(ops.q, None, ops.k, None, ops.v_t, None, o, lse, tiles, **kw)
-        per_token = ((ops.k_tok, ops.k_tok_exp, ops.v_tok_t, ops.v_tok_exp) if var.modes[0] == "tile"
-                     else None)
+        per_token = (ops.k_tok, ops.k_tok_exp, ops.v_tok_t, ops.v_tok_exp) if var.modes[0] == "tile" else None
         # v_len: the token-transposed V ends at the last document's padding; the tail of the buffer
         # is never written, so the kernel's TMA boxes must read zeros (out of bounds) there.
         return flamia_hopper.attn_fwd(ops.q, ops.q_exp, ops.k, ops.k_exp, ops.v_t, ops.v_exp, o, lse,
                                       tiles, per_token=per_token, v_len=plan.pad_k[-1], **kw)
     BLOCK_M, BLOCK_N, MASKED_N, warps, stages = var.fwd
     strides_v = (D * plan.padded_k, plan.padded_k, 1) if var.recipe.quantized else (D, 1, HK * D)
-    k_data = (dequantize_fp4(ops.k, ops.k_block, dtype=torch.bfloat16) if var.k_operand == "fp4_decoded"
-              else ops.k)
+    k_data = dequantize_fp4(ops.k, ops.k_block, dtype=torch.bfloat16) if var.k_operand == "fp4_decoded" else ops.k
     k_tok = (ops.k_tok, ops.k_tok_exp) if var.copies and not var.recipe.k_fp4 else (k_data, ops.k_exp)
     v_tok = (ops.v_tok_t, ops.v_tok_exp) if var.copies else (ops.v_t, ops.v_exp)
     operands = (ops.q, ops.q_exp, (k_data, ops.k_exp, ops.v_t, ops.v_exp), ops.k_block, (*k_tok, *v_tok))
@@ -1774,8 +1760,7 @@ def _attn_bwd_dq(
     tl.store(DQ + ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=qmask[:, None])
 
 
-def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal, softmax_scale,
-                   block_tokens):
+def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal, softmax_scale, block_tokens):
     """dq, dk, dv from the forward's quantized operands `ops` (unused for bf16)."""
     (Tq, H, D), (Tk, HK) = q.shape, k.shape[:2]
     r, do, dtype, tile_safeguard = var.recipe, do.contiguous(), q.dtype, var.modes[1] == "tile"
@@ -1915,9 +1900,8 @@ def _check_finite(q, k, v) -> None:
 
 
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-            cu_seqlens_k: torch.Tensor, dense: list[int], causal: bool, softmax_scale: float,
-            recipe: str, block_tokens: int, safeguard: bool, backend: Optional[str],
-            check_finite: bool) -> list[torch.Tensor]:
+              cu_seqlens_k: torch.Tensor, dense: list[int], causal: bool, softmax_scale: float, recipe: str,
+              block_tokens: int, safeguard: bool, backend: Optional[str], check_finite: bool) -> list[torch.Tensor]:
     plan = _plan_for(cu_seqlens_q, cu_seqlens_k, dense)
     _check_plan(plan, q.shape[0], k.shape[0])
     var = variant(q, recipe, block_tokens, plan, causal, safeguard, backend)
@@ -1938,15 +1922,13 @@ def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale,
     slots = operand_slots(r, q.shape, k.shape, *(padded_tokens(x.shape[0], n_docs) for x in (q, k)),
                           _token_copies(r, causal, safeguard, block_tokens))
     return [torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32),
-            *(q.new_empty(slot[0], dtype=slot[1]) if slot else q.new_empty(0, dtype=torch.float32)
-              for slot in slots)]
+            *(q.new_empty(s[0], dtype=s[1]) if s else q.new_empty(0, dtype=torch.float32) for s in slots)]
 
 
 def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-            lse: torch.Tensor, ops: list[torch.Tensor], cu_seqlens_q: torch.Tensor,
-            cu_seqlens_k: torch.Tensor, dense: list[int], causal: bool, softmax_scale: float,
-            recipe: str, block_tokens: int, safeguard: bool, backend: Optional[str],
-            deterministic: bool) -> list[torch.Tensor]:
+              lse: torch.Tensor, ops: list[torch.Tensor], cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+              dense: list[int], causal: bool, softmax_scale: float, recipe: str, block_tokens: int, safeguard: bool,
+              backend: Optional[str], deterministic: bool) -> list[torch.Tensor]:
     plan = _plan_for(cu_seqlens_q, cu_seqlens_k, dense)
     var = variant(q, recipe, block_tokens, plan, causal, safeguard, backend, deterministic)
     return list(_attn_backward(do, q, k, v, o, lse, Operands(*ops), plan, var, causal=causal,
@@ -1990,8 +1972,7 @@ class _FlamiaAttention(torch.autograd.Function):
 def kernels_available(device) -> bool:
     """True where the Triton kernels run: a CUDA device, or Triton's interpreter (TRITON_INTERPRET=1);
     elsewhere the public functions compute the recipe's function with the oracle (P unrounded)."""
-    interpreting = INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"
-    return torch.device(device).type == "cuda" or interpreting
+    return torch.device(device).type == "cuda" or (INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def _check_call(q, k, v, dims: int, recipe, block_tokens, backend) -> None:
@@ -2020,8 +2001,7 @@ def _check_options(recipe, block_tokens, backend) -> None:
     if backend is not None and backend not in BACKENDS:
         renamed = " (backend='wgmma' is now 'tl')" if backend == "wgmma" else ""
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}{renamed}")
-    why = _backend_refusal(_RECIPES[recipe], backend)
-    if why:
+    if why := _backend_refusal(_RECIPES[recipe], backend):
         raise ValueError(why)
 
 
@@ -2148,9 +2128,8 @@ def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BL
         (B, H, Sq, D), Sk = query.shape, key.shape[2]
         if D not in HEAD_DIMS:
             dims = " or ".join(map(str, HEAD_DIMS))
-            raise ValueError(f"head_dim {D}: FLAMIA's kernels take head_dim {dims}; set the model "
-                             f"config's head_dim (e.g. LlamaConfig(head_dim=64)), or "
-                             f"hidden_size / num_attention_heads to one of them")
+            raise ValueError(f"head_dim {D}: FLAMIA's kernels take head_dim {dims}; set the model config's head_dim "
+                             f"(e.g. LlamaConfig(head_dim=64)), or hidden_size / num_attention_heads to one of them")
         if attention_mask is not None and (attention_mask.dim() != 2 or not attention_mask.all()):
             raise ValueError(f"attention_mask: FLAMIA takes no padding or 4-D mask (it applies the "
                              f"causal, per-document mask itself); got shape {tuple(attention_mask.shape)}. "
@@ -2301,8 +2280,7 @@ def _fix_interpreter_numerics():
                            "cannot fix its numerics; unset TRITON_INTERPRET or use triton 3.8-3.9")
     # The interpreter stores bf16 / fp8 tensors as raw uint16 / uint8 bit patterns in numpy.
     torch_dt = {tl.float64: torch.float64, tl.float32: torch.float32, tl.float16: torch.float16,
-                tl.bfloat16: torch.bfloat16, tl.float8e4nv: torch.float8_e4m3fn,
-                tl.float8e5: torch.float8_e5m2}
+                tl.bfloat16: torch.bfloat16, tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
     # NVIDIA's fp8 convert (cvt.rn.satfinite) saturates overflow to the max finite value; torch's
     # .to() gives NaN (e4m3fn) / inf (e5m2): clamp first (clamp keeps NaN).
     saturate = {tl.float8e4nv: E4M3_MAX, tl.float8e5: 57344.0}
