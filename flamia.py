@@ -1,5 +1,4 @@
-"""
-FLAMIA: FLAsh MIcroscaling Attention -- FP8 / MXFP8 flash attention for training causal language
+"""FLAMIA: FLAsh MIcroscaling Attention -- FP8 / MXFP8 flash attention for training causal language
 models on packed variable-length documents, causally safe by construction.
 
 A single-file reimplementation of "FLAMIA: FLAsh MIcroscaling Attention for Fast and Causally Safe
@@ -73,8 +72,7 @@ def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
 # time and documents. Here it is per token and head: s2 = amax / (448 * 6). MXFP4 (OCP MX, what
 # tl.dot_scaled("e2m1") takes): an E8M0 scale per 32 elements by MXFP8's rule for E2M1's max 6, s2 = 1.
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
-    """Round-to-nearest-even onto the E2M1 grid, saturating at 6. Returns uint8 codes 0..15
-    (bit 3 = sign, bits 0-2 = magnitude index into E2M1_VALUES)."""
+    """RNE onto the E2M1 grid, saturating at 6: uint8 codes 0..15 (bit 3: sign; bits 0-2: index into E2M1_VALUES)."""
     a = x.abs()
     # Boundaries between neighbours; a tie goes to the even mantissa (0, 1, 2, 4 have mantissa 0):
     # 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4.
@@ -89,9 +87,8 @@ def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp4_reference(x: torch.Tensor, fmt: str = "nvfp4"):
-    """x: (T, H, D) -> (packed (T, H, D//2) uint8; block scales: NVFP4's (T, H, D//16) float8_e4m3fn
-    or MXFP4's (T, H, D//32) uint8 E8M0; second-level scale s2 (T, H) fp32: NVFP4's per token, ones
-    for MXFP4, so that MXFP4 travels through NVFP4's code paths)."""
+    """x (T, H, D) -> (packed (T, H, D//2) uint8, block scales (T, H, D//16) E4M3 (NVFP4) or (T, H, D//32) uint8 E8M0
+    (MXFP4), second level s2 (T, H) fp32: NVFP4's per token, MXFP4's ones (so it takes NVFP4's code paths))."""
     _check_tensor(x, "x")
     T, H, D = x.shape
     xf = x.float()
@@ -115,9 +112,8 @@ def quantize_fp4_reference(x: torch.Tensor, fmt: str = "nvfp4"):
 
 
 def dequantize_fp4(packed: torch.Tensor, block_scale: torch.Tensor, s2=None, dtype=torch.float32):
-    """NVFP4 (E4M3 block scales) or MXFP4 (uint8 E8M0 block scales) back to `dtype`, (T, H, D).
-    s2: the (T, H) second-level scale; None leaves it out (the kernels' fp32 factor): code x block
-    scale is exact in bf16 (6 significant bits); fp16 is clamped (MXFP4's can pass its maximum)."""
+    """NVFP4 (E4M3 block scales) or MXFP4 (E8M0 ones) back to `dtype`, (T, H, D); s2 (T, H): the second level, or
+    None (the kernels' fp32 factor): code x block scale is exact in bf16; fp16 is clamped (MXFP4's can exceed it)."""
     T, H, D2 = packed.shape
     codes = torch.stack([packed & 15, packed >> 4], dim=-1).view(T, H, 2 * D2)
     n_blocks = block_scale.shape[-1]
@@ -375,9 +371,8 @@ class Plan:
         self.version = self.cu_seqlens_q._version  # an in-place change of cu_seqlens invalidates it
 
     def check_offsets(self, cu: torch.Tensor, name: str) -> None:
-        """Refuse cu_seqlens other than the plan's (its tiles would attend across documents). The
-        plan's own tensors, unchanged since, pass without a host sync; another tensor is compared
-        once (one sync) and remembered until it changes in place."""
+        """Refuse cu_seqlens other than the plan's (its tiles would attend across documents): the plan's own tensors,
+        unchanged, pass without a host sync; another is compared once (a sync), remembered until changed in place."""
         side = name[-1]
         if (known := self._known.get((id(cu), side))) and known[0]() is cu and known[1] == cu._version:
             return
@@ -421,9 +416,8 @@ flamia_plan = Plan  # the Plan of a batch: build it once and pass it as plan= to
 
 
 def padded_tokens(total: int, n_docs: int) -> int:
-    """Width T_padded of the padded token layouts: a bound on the 16-aligned documents from shapes only (the
-    custom op's fake implementation cannot read cu_seqlens), rounded up to 128 tokens so that every channel
-    row starts on a 128-byte cache line (unaligned rows measured slower in the H200's forward)."""
+    """Width T_padded of the padded layouts: a bound on the 16-aligned documents from shapes only (fake tensors
+    can't read cu_seqlens), rounded up to 128 tokens: rows start on 128-byte cache lines (measured faster, H200)."""
     return max(-(-(total + (PAD_ALIGN - 1) * n_docs) // 128) * 128, 128)
 
 
@@ -460,9 +454,8 @@ def token_block_start(cu_seqlens: torch.Tensor, total: int, block_tokens: int) -
 # is exactly an MX block along the contraction of P V). Hopper's fp8 wgmma wants its second
 # operand K-major: the Triton quantizer can write a token-transposed copy in the same pass.
 class MXFP8(NamedTuple):
-    """A quantized (T, H, D) tensor: float8_e4m3fn data (T, H, D) or data_t (H, D, T_padded:
-    token-transposed), the other None, and exp (H, T_padded) uint8 E8M0, in the padded token layout
-    of x's documents. tok: x quantized per token (the safeguard's copy), where it was made."""
+    """A quantized (T, H, D) tensor: E4M3 data (T, H, D) or data_t (H, D, T_padded: token-transposed), the other
+    None; exp (H, T_padded) uint8 E8M0, in x's padded token layout; tok: the safeguard's per-token copy, if made."""
     data: torch.Tensor
     exp: torch.Tensor
     data_t: torch.Tensor = None
@@ -688,19 +681,17 @@ class MXFP8Launch(NamedTuple):
 
 def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str = "q",
                    transposed: bool = False, per_token_copy: bool = False) -> MXFP8:
-    """Fused Triton quantizer: ONE launch reads x (T, H, D) once and writes the block-scaled data
-    (row-major, or token-transposed with transposed=True: how the forward reads V), its exponents,
-    and with per_token_copy=True the per-token quantized copy in the same layout (.tok, for the
-    causal safeguard). `side`: whose documents x follows in `plan` ("q" or "k")."""
+    """Fused Triton quantizer: ONE launch reads x (T, H, D) once and writes the block-scaled data (row-major, or
+    token-transposed with transposed=True: how the forward reads V), its exponents, and with per_token_copy=True
+    the per-token copy in the same layout (.tok, the causal safeguard's). `side`: whose documents x follows."""
     return quantize_mxfp8_launch(x, plan, block_tokens, side, transposed, per_token_copy).x
 
 
 def quantize_mxfp8_launch(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str = "q",
                           transposed: bool = False, per_token_copy: bool = False, second=None,
                           queries=None) -> MXFP8Launch:
-    """quantize_mxfp8, with more tensors in the same launch (the forward quantizes in one):
-    second=(x2, transposed2), a tensor of x's shape, documents and block_tokens (K and V);
-    queries=q, Q (T, Hq, D) of the same documents (Hq a multiple of H), per token, row-major."""
+    """quantize_mxfp8 with more tensors in its launch (the forward's one): second=(x2, transposed2), like x in shape,
+    documents and block_tokens (K and V); queries=q (T, Hq, D), same documents, Hq a multiple of H, per token."""
     _check_block_tokens(block_tokens)
     x = _quantizer_input(x, plan, side)
     T, H, D = x.shape
@@ -938,11 +929,10 @@ class Variant(NamedTuple):  # what computes one call
 
 
 def _tile_safeguard(plan: Plan, block_tokens: int, *blocks: int) -> bool:
-    """Whether kernels with these tile sizes can take the causal safeguard per tile instead of per
-    pair: when B_t is a multiple of every tile size and divides every causal shift (always so in
-    self-attention), each start-aligned query or key tile lies inside one key block, and a tile pair
-    either shares its block (every visible pair straddles: the whole tile uses the per-token copies)
-    or lies in an earlier one (safe). This is what makes B_t=128 cheap: one MMA per masked tile."""
+    """Whether kernels with these tile sizes can take the causal safeguard per tile, not per pair: when B_t is a
+    multiple of every tile size and divides every causal shift (always so in self-attention), each start-aligned
+    query or key tile lies in one key block, and a tile pair shares its block (every visible pair straddles: the tile
+    uses the per-token copies) or lies in an earlier one (safe). So B_t=128 costs one MMA per masked tile."""
     return block_tokens % max(blocks) == 0 and plan.shift_gcd % block_tokens == 0
 
 
@@ -1838,9 +1828,8 @@ def operand_slots(recipe: Recipe, q_shape, k_shape, q_pad: int, k_pad: int, copi
 
 def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, copies: bool,
                        quantize_q: bool = False):
-    """The forward's Operands: ONE fused quantizer launch for Q, K and V (self-attention; two
-    when the query documents differ from the key documents or K is FP4); bf16: all unused. With
-    quantize_q (Variant.quantize_q) Q's slots are only allocated: the forward kernel writes them."""
+    """The forward's Operands: ONE fused quantizer launch for Q, K and V (self-attention; two for other query
+    documents or FP4 K); bf16: all unused. With quantize_q, Q's slots are only allocated: the forward writes them."""
     unused = lambda: q.new_empty(0, dtype=torch.float32)
     if not recipe.quantized:
         return Operands(*(unused() for _ in Operands._fields))
@@ -1936,9 +1925,8 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def _custom_op(name, impl, fake):
-    """impl as the custom op flamia::name (fake: its outputs' shapes); the result calls the op while
-    torch.compile traces, else impl directly: the dispatcher's round trip (schema check, redispatch,
-    alias check) costs tens of microseconds of host time per call (measured, launches stubbed out)."""
+    """impl as the custom op flamia::name (fake: its outputs' shapes), called only while torch.compile traces:
+    else impl runs directly, as the dispatcher's round trip costs tens of microseconds of host time (measured)."""
     op = torch.library.custom_op(f"flamia::{name}", impl, mutates_args=(), device_types=("cuda", "cpu"))
     op.register_fake(fake)
     return lambda *args: (op if torch.compiler.is_compiling() else impl)(*args)
@@ -1994,7 +1982,6 @@ def _check_call(q, k, v, dims: int, recipe, block_tokens, backend) -> None:
 
 
 def _check_options(recipe, block_tokens, backend) -> None:
-    """Validates the FLAMIA options before a call (backend None: chosen per call by variant())."""
     if recipe not in _RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
     _check_block_tokens(block_tokens)
@@ -2039,11 +2026,10 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
                             softmax_scale=None, recipe="mxfp8", block_tokens=DEFAULT_BLOCK_TOKENS,
                             safeguard=True, rotate_qk=False, backend=None, plan=None, return_lse=False,
                             check_finite=False, deterministic=False):
-    """FLAMIA attention on packed documents, with flash-attn's varlen signature and layouts: q
-    (total_q, H, D), k, v (total_k, Hk, D) with H % Hk == 0, bf16 or fp16, D 64 or 128; int32
-    cu_seqlens (n_docs + 1,); max_seqlen_*: bounds on the document lengths. README.md's API table
-    gives each option and why its default; safeguard=False LEAKS the future (tests and demos only).
-    Returns out (total_q, H, D) [and lse (H, total_q), natural log, not differentiable]."""
+    """FLAMIA attention on packed documents, flash-attn's varlen signature and layouts: q (total_q, H, D), k, v
+    (total_k, Hk, D), H % Hk == 0, bf16 or fp16, D 64 or 128; int32 cu_seqlens (n_docs + 1,); max_seqlen_*: bounds on
+    the document lengths. README.md's API table explains each option's default; safeguard=False LEAKS the future
+    (tests and demos only). Returns out (total_q, H, D) [and lse (H, total_q): natural log, not differentiable]."""
     _check_call(q, k, v, 3, recipe, block_tokens, backend)
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan must be a flamia.Plan (from flamia_plan), got {type(plan).__name__}")
@@ -2109,9 +2095,8 @@ def _hf_plan(batch_tensor: torch.Tensor, query: torch.Tensor, cu_seqlens) -> Pla
 
 
 def _documents_of(position_ids: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
-    """int32 cu_seqlens of the rows flattened: a document starts at every row start and wherever
-    the position does not follow its predecessor (transformers' rule for packed rows, which also
-    covers positions that restart at 1 rather than 0). On the host: one read per batch."""
+    """int32 cu_seqlens of the rows flattened: a document starts at every row start and wherever the position
+    does not follow its predecessor (transformers' rule; also for restarts at 1). On the host: one read per batch."""
     pos = position_ids.expand(batch, seqlen).cpu()  # (1, S) position_ids serve every row
     starts = torch.cat([torch.ones(batch, 1, dtype=torch.bool), pos[:, 1:] != pos[:, :-1] + 1], 1)
     return torch.cat([starts.flatten(), torch.tensor([True])]).nonzero().flatten().to(torch.int32)
