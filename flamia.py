@@ -66,16 +66,14 @@ def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
     return torch.where(e == E8M0_NAN, torch.nan, s)
 
 
-# FP4 elements are E2M1 (+-{0, .5, 1, 1.5, 2, 3, 4, 6}), two per byte, first in the low nibble.
-# NVFP4: an E4M3 scale per 16 elements along the head dim and a second-level FP32 scale, usually ONE
-# amax over the whole tensor: a statistic over every token of every document, which leaks across
-# time and documents. Here it is per token and head: s2 = amax / (448 * 6). MXFP4 (OCP MX, what
-# tl.dot_scaled("e2m1") takes): an E8M0 scale per 32 elements by MXFP8's rule for E2M1's max 6, s2 = 1.
+# FP4 elements are E2M1 (+-{0, .5, 1, 1.5, 2, 3, 4, 6}), two per byte, first in the low nibble. NVFP4: an E4M3 scale
+# per 16 elements and a second-level FP32 scale, usually ONE amax over the whole tensor: a statistic over every token
+# of every document, which leaks across time and documents. Here: per token and head, s2 = amax / (448 * 6). MXFP4
+# (OCP MX, what tl.dot_scaled("e2m1") takes): an E8M0 scale per 32 elements by MXFP8's rule for E2M1's max 6, s2 = 1.
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """RNE onto the E2M1 grid, saturating at 6: uint8 codes 0..15 (bit 3: sign; bits 0-2: index into E2M1_VALUES)."""
     a = x.abs()
-    # Boundaries between neighbours; a tie goes to the even mantissa (0, 1, 2, 4 have mantissa 0):
-    # 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4.
+    # Boundaries, a tie to the even mantissa (0, 1, 2, 4): 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4.
     k = ((a > 0.25).int() + (a >= 0.75).int() + (a > 1.25).int() + (a >= 1.75).int()
          + (a > 2.5).int() + (a >= 3.5).int() + (a > 5.0).int())
     return (k + 8 * (x < 0).int()).to(torch.uint8)
@@ -145,8 +143,7 @@ class Recipe:
     rows leaks). A new recipe: its _RECIPES row, quantizer (section 3), operand_slots, oracle rounding."""
     name: str
     k_format: str
-    backends: tuple  # the backends that compute it: "tl" every recipe; "dot_scaled" needs every scale
-    # E8M0 (what tl.dot_scaled takes: Blackwell's MX MMA); "gluon" flamia_hopper.py's kernels
+    backends: tuple  # "tl": every recipe; "dot_scaled": all scales E8M0 (Blackwell's MX MMA); "gluon": flamia_hopper
 
     @property
     def quantized(self) -> bool:
@@ -225,22 +222,20 @@ def _check_cu_seqlens(cu, name: str) -> None:
         raise ValueError(f"{name} must be 1-D [0, ..., total], 2+ entries, got shape {tuple(cu.shape)}")
 
 
-# The Plan cuts every document into start-aligned tiles that never cross a document boundary: 128-token
-# tiles for the quantizer (whole scale blocks), query tiles (forward, dQ) or key tiles (dK/dV) for
-# attention. Only tiles with unmasked pairs exist: no program runs on a fully masked tile, and documents of
-# length 0, 1 or 33 need no special case. Work is sorted heaviest first (longest processing time): the GPU
-# takes programs roughly in launch order, so long causal rows start first and short ones fill the tail. The
-# Plan reads cu_seqlens to the host ONCE (the only host sync) and caches its tables, like FlexAttention's
-# BlockMask. Tile table columns (int32, a row per work item): "own" is the tile's document (queries for
-# query tiles, keys for key tiles), "other" the matching one; *_PAD: their starts in the padded layouts.
+# The Plan cuts every document into start-aligned tiles that never cross a document boundary: 128-token tiles for the
+# quantizer (whole scale blocks), query tiles (forward, dQ) or key tiles (dK/dV) for attention. Only tiles with
+# unmasked pairs exist: no program runs on a fully masked tile, and documents of length 0, 1 or 33 need no special
+# case. Work is sorted heaviest first (LPT): the GPU takes programs roughly in launch order, so long causal rows
+# start first and short ones fill the tail. The Plan reads cu_seqlens to the host ONCE (the only sync) and caches its
+# tables, like FlexAttention's BlockMask. Table columns (int32, a row per tile): "own" is the tile's document
+# (queries for query tiles, keys for key tiles), "other" the matching one; *_PAD: their starts in the padded layouts.
 TILE_START, TILE_END, OWN_START, OWN_END, OTHER_START, OTHER_END, OTHER_PAD, OWN_PAD = (
     tl.constexpr(i) for i in range(8))
 
 
-# A kernel reads its tile's row once, into a TileRow (FA4's BlockInfo), and takes the key tiles it visits
-# (query tiles) or the query tiles (key tiles) from _key_range / _query_range: the one place where the
-# causal mask and the safeguard decide which tiles are visited and which take the masked path. Every
-# kernel calls them: the tl and Gluon forwards, dQ, dK/dV (Gluon compiles these scalar functions too).
+# A kernel reads its tile's row once into a TileRow (FA4's BlockInfo), and takes the tiles it visits from
+# _key_range / _query_range: the one place where the causal mask and the safeguard decide which tiles run and which
+# take the masked path. All kernels call them: the tl and Gluon forwards, dQ, dK/dV (Gluon compiles them too).
 def record(cls):
     """A Triton aggregate (values that kernels pass around as one) built from its fields in order;
     triton 3.6 needs the __init__ that later versions write themselves."""
@@ -349,8 +344,7 @@ class Plan:
         self.cu_seqlens_q = cu_seqlens_q.to(self.device, non_blocking=True)
         self.cu_seqlens_k = self.cu_seqlens_q if same else cu_seqlens_k.to(self.device)
         self.total_q, self.total_k = self.offsets_q[-1], self.offsets_k[-1]
-        # self-attention: one tile table for both sides (Q, K and V share a quantizer launch)
-        self.same_documents = same or self.offsets_q == self.offsets_k
+        self.same_documents = same or self.offsets_q == self.offsets_k  # self-attention: one tile table, one launch
         lens = [(b - a, d - c) for a, b, c, d in
                 zip(self.offsets_q, self.offsets_q[1:], self.offsets_k, self.offsets_k[1:])]
         self.max_seqlen_q, self.max_seqlen_k = map(max, zip(*lens))
@@ -361,8 +355,7 @@ class Plan:
         # their tiles are never launched, so their outputs must start as 0 (and their LSE as -inf).
         self.rows_without_keys = {True: any(lq > lk for lq, lk in lens), False: any(lk == 0 < lq for lq, lk in lens)}
         self.keys_without_rows = any(lq == 0 < lk for lq, lk in lens)  # dK, dV must start as 0
-        # Divides every causal shift Lk - Lq (0: all are 0, the training case); see _tile_safeguard
-        self.shift_gcd = math.gcd(*(lk - lq for lq, lk in lens))
+        self.shift_gcd = math.gcd(*(lk - lq for lq, lk in lens))  # of all causal shifts (0: all 0); _tile_safeguard
         self._tables = {}
         # (id, side) -> (weak ref, version) of the tensors known to hold these offsets (check_offsets)
         self._known = {(id(t), side): (weakref.ref(t), t._version) for side, t in
@@ -449,10 +442,9 @@ def token_block_start(cu_seqlens: torch.Tensor, total: int, block_tokens: int) -
 #     amax_b      = max over the B_t-token block of t    (document-local)
 #     e[h, t]     = scale rule(amax_b)                   (E8M0, a copy per token, padded_columns)
 #     data[t,h,:] = E4M3(x[t, h, :] / 2^(e - 127))       (exact power-of-two division, RNE)
-# The same quantized tensor serves both matrix orientations: along the head dim its scale is
-# constant (a rank-1 post-scale of Q K^T), along tokens it changes only every B_t tokens (B_t = 32
-# is exactly an MX block along the contraction of P V). Hopper's fp8 wgmma wants its second
-# operand K-major: the Triton quantizer can write a token-transposed copy in the same pass.
+# One quantized tensor serves both matrix orientations: along the head dim its scale is constant (a rank-1 post-scale
+# of Q K^T), along tokens it changes every B_t tokens (B_t = 32 is exactly an MX block along the contraction of P V).
+# Hopper's fp8 wgmma wants its second operand K-major: the quantizer can also write a token-transposed copy.
 class MXFP8(NamedTuple):
     """A quantized (T, H, D) tensor: E4M3 data (T, H, D) or data_t (H, D, T_padded: token-transposed), the other
     None; exp (H, T_padded) uint8 E8M0, in x's padded token layout; tok: the safeguard's per-token copy, if made."""
@@ -791,12 +783,11 @@ def quantize_fp4(x: torch.Tensor, plan: Plan, fmt: str = "nvfp4", side: str = "q
     return out
 
 
-# Q/K rotation ("incoherence processing", as FlashAttention-3 does for FP8), rotate_qk=True. S = Q K^T is
-# unchanged when Q and K are both multiplied by one orthogonal matrix, but their quantization error is not:
-# a head-dim channel with outliers (RoPE'd queries and keys have some) sets the scale of its whole block and
-# pushes the other channels toward E4M3's bottom. A Hadamard matrix with random column signs spreads every
-# channel over all D. We use the UNNORMALIZED +-1 matrix (exact in bf16; 1/sqrt(128) is not) and divide the
-# softmax scale by D (a power of two: exact). It acts along the head dim only: no statistic crosses tokens.
+# Q/K rotation (rotate_qk=True; "incoherence processing", FlashAttention-3's for FP8). S = Q K^T is unchanged when Q
+# and K share one orthogonal rotation; their quantization error is not: a head-dim channel with outliers (RoPE makes
+# some) sets its block's scale, pushing the others toward E4M3's bottom. A Hadamard matrix with random column signs
+# spreads every channel over all D. We use the UNNORMALIZED +-1 matrix (exact in bf16; 1/sqrt(128) is not) and divide
+# the softmax scale by D (a power of two: exact). Along the head dim only: no statistic crosses tokens.
 @functools.lru_cache(maxsize=None)  # one per head dim and device
 def qk_rotation(head_dim: int, device=None) -> torch.Tensor:
     """The (D, D) +-1 matrix H diag(signs), H H^T = D I (Sylvester Hadamard, fixed random signs)."""
@@ -887,13 +878,12 @@ def attention_fp64(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True, sof
 # variant() decides once per call what runs -- backend, forward kernel, K's format, tiles, the safeguard's
 # mode per kernel -- or why the requested backend cannot; the launchers (5a, 5b) only read its Variant.
 #
-# TILES, one row per head dim: a head dim joins here and nowhere else (HEAD_DIMS are its keys; the Gluon
-# kernels refuse head dims they lack). The tl.dot tiles are `bench.py --tune`'s on the H200 at D=128 (D=64
-# reuses them): fp8 wants long key tiles (P V contracts over BLOCK_N) and a warpgroup per 64 query rows,
-# narrow diagonal tiles (MASKED_N) help packed documents, bigger query tiles in dK/dV spill; the FP4
-# emulation is not tuned. Blackwell (`bench.py --sm100`, never timed): Triton lowers tl.dot_scaled to the MX
-# block-scaled MMA only for >= 128 query rows (with 64 it upcasts K to a bf16 MMA), with the widest key
-# tiles that compile without spills; the H200's dK/dV tiles spill there: 64 keys.
+# TILES, one row per head dim: a head dim joins here and nowhere else (HEAD_DIMS: its keys; the Gluon kernels refuse
+# head dims they lack). The tl.dot tiles are `bench.py --tune`'s on the H200 at D=128 (D=64 reuses them): fp8 wants
+# long key tiles (P V contracts over BLOCK_N) and a warpgroup per 64 query rows, narrow diagonal tiles (MASKED_N)
+# help packed documents, bigger query tiles in dK/dV spill; the FP4 emulation is not tuned. Blackwell
+# (`bench.py --sm100`, never timed): Triton lowers tl.dot_scaled to the MX MMA only for >= 128 query rows (64 upcast
+# K to a bf16 MMA), with the widest key tiles compiling without spills; the H200's dK/dV tiles spill there: 64 keys.
 class Tiles(NamedTuple):
     fwd: dict  # K's operand (Variant.k_operand) -> (BLOCK_M, BLOCK_N, MASKED_N, num_warps, num_stages)
     fwd_sm100: dict  # of the tl.dot forward; the same, tl.dot_scaled forward on Blackwell
@@ -1376,10 +1366,9 @@ def _attn_fwd(
     _fwd_store(state, O, LSE, offs_m, qmask, h, H, T_Q, D, QUANT)
 
 
-# The Blackwell forward (backend="dot_scaled": sm_100's MX tensor cores; elsewhere Triton emulates
-# tl.dot_scaled, TMA off): Q K^T through tl.dot_scaled with the E8M0 scales inside the MMA, K as
-# E4M3 (e4m3) or E2M1 (fp4_packed, E8M0 block scales KB); with TMA, Q, K, V come through
-# per-document tensor descriptors; E8M0 rows are read in 32-bit words. The same steps as above.
+# The Blackwell forward (backend="dot_scaled": sm_100's MX MMAs; elsewhere Triton emulates tl.dot_scaled, TMA off):
+# tl.dot_scaled computes Q K^T with the E8M0 scales inside the MMA, K as E4M3 (e4m3) or E2M1 (fp4_packed, E8M0 block
+# scales KB); with TMA, Q, K, V load through per-document descriptors; E8M0 rows load as 32-bit words. Same steps.
 @triton.jit
 def _attn_fwd_blackwell_step(state, ek, ev, q, q_e8, qscale, pos_q, start_n, kv, kv_tok, KB, k_len,
                              v_len, HK, stride_vd, stride_vt, D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -1465,8 +1454,7 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
         if not var.recipe.quantized:
             return flamia_hopper.attn_fwd(ops.q, None, ops.k, None, ops.v_t, None, o, lse, tiles, **kw)
         per_token = (ops.k_tok, ops.k_tok_exp, ops.v_tok_t, ops.v_tok_exp) if var.modes[0] == "tile" else None
-        # v_len: the token-transposed V ends at the last document's padding; the tail of the buffer
-        # is never written, so the kernel's TMA boxes must read zeros (out of bounds) there.
+        # v_len: V^T's tail past the last document's padding is never written: TMA must read zeros there
         return flamia_hopper.attn_fwd(ops.q, ops.q_exp, ops.k, ops.k_exp, ops.v_t, ops.v_exp, o, lse,
                                       tiles, per_token=per_token, v_len=plan.pad_k[-1], **kw)
     BLOCK_M, BLOCK_N, MASKED_N, warps, stages = var.fwd
@@ -1490,14 +1478,13 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
 
 
 # ---- 5b. Backward kernels ---------------------------------------------------------------------
-# The backward differentiates the function the forward computed: S is recomputed from exactly the forward's
-# quantized operands (the same safeguard selection on the diagonal) and P from the saved LSE. On Hopper
-# these kernels are issue-bound, not MMA-bound: fp8 MMAs there saved less than the scale multiplies and
-# fp8-to-bf16 conversions cost (measured on the H200). So every recipe's backward runs bf16 MMAs: the
-# quantized recipes on the forward's operands DEQUANTIZED exactly (E4M3 x 2^e, and FP4's code x block scale,
-# fit bf16 exactly; FP4's FP32 second level stays an fp32 factor per key, K_SCALED), and dO as given. The
-# gradients are the oracle's up to bf16 rounding of P and dS. Two kernels, no atomics (deterministic): dK/dV
-# per key tile over query tiles, dQ per query tile over key tiles (the forward's schedule):
+# The backward differentiates the function the forward computed: S is recomputed from exactly the forward's quantized
+# operands (the same safeguard choice on the diagonal) and P from the saved LSE. On Hopper these kernels are
+# issue-bound, not MMA-bound: fp8 MMAs there saved less than the scale multiplies and fp8-to-bf16 conversions cost
+# (measured, H200). So every recipe's backward runs bf16 MMAs: the quantized recipes on the forward's operands
+# DEQUANTIZED exactly (E4M3 x 2^e and FP4's code x block scale fit bf16; FP4's second level stays an fp32 factor per
+# key, K_SCALED), and dO as given. Gradients: the oracle's up to bf16 rounding of P and dS. Two kernels, no atomics
+# (deterministic): dK/dV per key tile over query tiles, dQ per query tile over key tiles (as the forward):
 #
 #   dK/dV:  for each query tile i:  P^T = exp2(S^T - lse_i);  dV += P^T dO_i
 #                                   dS^T = P^T * (V dO_i^T - Delta_i);  dK += dS^T Q_i
@@ -2235,13 +2222,12 @@ def varlen_adapter(dense_fn):
 
 
 # ---- 8. Triton's CPU interpreter: numerics fixes, applied wherever FLAMIA's kernels are interpreted ----
-# With TRITON_INTERPRET=1 set before triton is imported, every kernel above runs on the CPU in numpy. The
-# interpreter (triton/runtime/interpreter.py; seen in 3.6 to 3.9) has numerics bugs that would make FLAMIA
-# silently wrong there (a bf16 forward off by ~1e9): (1) tl.dot on bf16 operands multiplies the raw uint16
-# bit patterns; (2) float casts to bf16 / fp8 truncate, drop the rounding carry into the exponent, mis-round
-# subnormals and turn NaN/inf finite, widening ones too; (3) int -> bf16 stores the value as raw bits. The
-# GPU does all of it right. The fixes route those operations through torch's correctly rounded casts; if the
-# interpreter's internals have moved, FLAMIA refuses to run interpreted rather than compute garbage.
+# With TRITON_INTERPRET=1 set before triton is imported, every kernel above runs on the CPU in numpy. The interpreter
+# (triton/runtime/interpreter.py; seen in 3.6 to 3.9) has numerics bugs that would make FLAMIA silently wrong there
+# (a bf16 forward off by ~1e9): (1) tl.dot on bf16 operands multiplies the raw uint16 bit patterns; (2) float casts
+# to bf16 / fp8 truncate, drop the rounding carry into the exponent, mis-round subnormals and turn NaN/inf finite,
+# widening ones too; (3) int -> bf16 stores the value as raw bits. The fixes route those operations through torch's
+# correctly rounded casts; if the interpreter's internals have moved, FLAMIA refuses to run interpreted.
 INTERPRETED = not isinstance(_attn_fwd, triton.runtime.JITFunction)
 # Older interpreters fail on these kernels (3.6: numpy TypeErrors; 3.7: tl.dot_scaled); GPUs need >= 3.6.
 INTERPRETER_MIN_TRITON = (3, 8)
@@ -2266,8 +2252,7 @@ def _fix_interpreter_numerics():
     # The interpreter stores bf16 / fp8 tensors as raw uint16 / uint8 bit patterns in numpy.
     torch_dt = {tl.float64: torch.float64, tl.float32: torch.float32, tl.float16: torch.float16,
                 tl.bfloat16: torch.bfloat16, tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
-    # NVIDIA's fp8 convert (cvt.rn.satfinite) saturates overflow to the max finite value; torch's
-    # .to() gives NaN (e4m3fn) / inf (e5m2): clamp first (clamp keeps NaN).
+    # NVIDIA's fp8 convert (cvt.rn.satfinite) saturates; torch's .to() gives NaN / inf: clamp first (keeps NaN).
     saturate = {tl.float8e4nv: E4M3_MAX, tl.float8e5: 57344.0}
     orig_convert, orig_dot, orig_cast = interp._convert_float, B.create_dot, B.cast_impl
 
