@@ -123,12 +123,11 @@ def dequantize_fp4(packed: torch.Tensor, block_scale: torch.Tensor, s2=None, dty
 
 
 # ---- 2. Token-block, document-local scaling, recipes, and the Plan (the varlen scheduler) -----
-# Packed documents come as THD tensors (total_tokens, heads, head_dim) plus cu_seqlens, the int32 offsets
-# [0, L0, L0+L1, ..., total] of the documents (flash-attn's convention; empty documents are legal). A scale
-# block is `block_tokens` (B_t) consecutive tokens of ONE document and ONE head, over the whole head dim;
-# blocks restart at every document start, so no block, and no statistic, spans two documents. Each token
-# carries a copy of its block's E8M0 byte, head-major (H, T_padded) in the padded token layout
-# (padded_columns): documents start at 16-aligned columns, so a tile's scales load in aligned wide words.
+# Packed documents: THD tensors (total_tokens, heads, head_dim) plus int32 cu_seqlens = [0, L0, L0+L1, ..., total]
+# (flash-attn's convention; empty documents are legal). A scale block is `block_tokens` (B_t) consecutive tokens of
+# ONE document and ONE head, over the whole head dim; blocks restart at every document start, so no block (no
+# statistic) spans two documents. Each token holds a copy of its block's E8M0 byte, head-major (H, T_padded) in the
+# padded layout (padded_columns): documents start 16-aligned, so tiles load their scales in aligned words.
 BLOCK_TOKENS = (1, 32, 64, 128)
 DEFAULT_BLOCK_TOKENS = 1  # per token: no per-token copies to write, the cheaper on packed short documents
 QUANT_TILE = 128  # tokens per quantizer program; a multiple of every B_t
@@ -166,10 +165,9 @@ def _pad16(n):
     return -(-n // PAD_ALIGN) * PAD_ALIGN
 
 
-# The causal safeguard's rules, in one place. Positions are document-local, on the key axis (a query's
-# position is its row plus the causal shift Lk - Lq). A (query, key) pair STRADDLES when the key's scale
-# block also holds the query's position: the block's scale is then a function of keys after the query, so
-# the pair must use the per-token quantized copies of K and V. The kernels call the jitted twins below.
+# The causal safeguard's rules, in one place. Positions: document-local, on the key axis (a query's: its row plus the
+# causal shift Lk - Lq). A (query, key) pair STRADDLES when the key's scale block also holds the query's position:
+# its scale then depends on keys after the query, so the pair uses K and V's per-token copies. Jitted twins below.
 def _token_copies(recipe: Recipe, causal: bool, safeguard: bool, block_tokens: int) -> bool:
     """Whether K and V also get per-token quantized copies (pairs can straddle)."""
     return recipe.quantized and causal and safeguard and block_tokens > 1
@@ -422,9 +420,8 @@ def _doc_index(cu_seqlens: torch.Tensor, total: int):
 
 
 def padded_columns(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """(T,) int64: each token's column in the padded token layouts ((H, T_padded) exponents, (H, D,
-    T_padded) transposed data): documents start at multiples of PAD_ALIGN columns, their padding holds zero
-    tokens (exponent 1), columns past the last document's padding are never written. No host sync."""
+    """(T,) int64: each token's padded column ((H, T_padded) exponents, (H, D, T_padded) data_t): documents start at
+    multiples of PAD_ALIGN; padding holds zero tokens (exponent 1); the tail is never written. No host sync."""
     doc, pos = _doc_index(cu_seqlens, total)
     pad_start = torch.cat([pos.new_zeros(1), _pad16(cu_seqlens.long().diff()).cumsum(0)])
     return pad_start[doc] + pos
@@ -1020,11 +1017,10 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
 #       m    = max(m, rowmax(s2));  p = exp2(s2 - m);  l = l * alpha + rowsum(p)
 #       acc += E4M3(p * 2^(ev[j] - ref_i + 8)) @ Vq^T          fp8 MMA, V's scale folded into P
 #
-# V's scale varies along the contraction (keys), so it is folded into P before P is quantized: exact, since
-# scales are powers of two. To keep p * 2^ev inside E4M3's range, each row carries a reference exponent
-# ref_i = max ev over the keys it has seen (then p~ <= 2^8 < 448), and the accumulator lives in units of
-# 2^(ref_i - 8), rescaled when ref_i grows, like the softmax max m. ref_i is a per-row statistic over
-# *visible* keys only (a max over the whole tile would leak the future on the diagonal).
+# V's scale varies along the contraction, so it is folded into P before P is quantized (exact: powers of two). To
+# keep p * 2^ev in E4M3's range, each row carries a reference exponent ref_i = max ev over the keys seen (then
+# p~ <= 2^8 < 448); the accumulator lives in units of 2^(ref_i - 8), rescaled as ref_i grows (like m). ref_i is a
+# per-row statistic over *visible* keys only (a max over the whole tile would leak the future on the diagonal).
 #
 # The causal safeguard (section 2's rules), on masked (diagonal) tiles only: straddling pairs use the
 # per-token copies KS, VS ("pair": a second small MMA on the diagonal tiles), or, where _tile_safeguard
@@ -1281,11 +1277,10 @@ def _fwd_store(state, O, LSE, offs_m, qmask, h, H, T_Q, D: tl.constexpr, QUANT: 
     tl.store(LSE + h * T_Q + offs_m, lse, mask=qmask)
 
 
-# The portable forward (backend="tl": Hopper's fp8 wgmma, any other GPU, the interpreter): Q K^T
-# through tl.dot with the scales outside the MMA. One step = one key tile at document-local offset
-# start_n; ek, ev are its scales, loaded one step ahead: Triton software-pipelines only the loads
-# that feed a dot, so the step issues the next tile's scale loads first and their latency hides
-# behind this tile's MMAs. ONE_SCALE: scalar ek, ev join the row factors (2 multiplies/entry of S saved).
+# The portable forward (backend="tl": Hopper's fp8 wgmma, other GPUs, the interpreter): Q K^T by tl.dot, the scales
+# outside the MMA. A step = the key tile at document-local start_n; its scales ek, ev are loaded one step ahead:
+# Triton software-pipelines only the loads that feed a dot, so a step issues the next tile's scale loads first, their
+# latency hidden behind its MMAs. ONE_SCALE: scalar ek, ev join the row factors (2 multiplies/entry of S saved).
 @triton.jit
 def _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, kv, kv_tok, k_len, v_len, HK, stride_vd,
                    stride_vt, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
@@ -1469,10 +1464,9 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
     if tiles.shape[0] > 0:
         var.kernel[(tiles.shape[0], H)](
             *operands, o, lse, tiles, *strides_v, softmax_scale * 1.4426950408889634,  # log2(e)
-            Tq, Tk, H, HK, plan.padded_q, plan.padded_k, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            MASKED_N=MASKED_N, BLOCK_TOKENS=block_tokens, CAUSAL=causal, K_OPERAND=var.k_operand,
-            SAFEGUARD=var.modes[0], num_warps=warps, num_stages=stages,
-            **(dict(TMA=var.tma) if var.kernel is _attn_fwd_blackwell else
+            Tq, Tk, H, HK, plan.padded_q, plan.padded_k, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, MASKED_N=MASKED_N,
+            BLOCK_TOKENS=block_tokens, CAUSAL=causal, K_OPERAND=var.k_operand, SAFEGUARD=var.modes[0],
+            num_warps=warps, num_stages=stages, **(dict(TMA=var.tma) if var.kernel is _attn_fwd_blackwell else
                dict(XQ=xq, stride_xqt=xq.stride(0), stride_xqh=xq.stride(1), QUANTIZE_Q=var.quantize_q)))
     return o, lse
 
@@ -1813,8 +1807,7 @@ def operand_slots(recipe: Recipe, q_shape, k_shape, q_pad: int, k_pad: int, copi
     return Operands(((Tq, H, D), f8), ((H, q_pad), u8), *k, *k_tok, *v, *(v if copies else (None, None)))
 
 
-def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, copies: bool,
-                       quantize_q: bool = False):
+def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, copies: bool, quantize_q=False):
     """The forward's Operands: ONE fused quantizer launch for Q, K and V (self-attention; two for other query
     documents or FP4 K); bf16: all unused. With quantize_q, Q's slots are only allocated: the forward writes them."""
     unused = lambda: q.new_empty(0, dtype=torch.float32)
@@ -2072,9 +2065,8 @@ def _hf_plan(batch_tensor: torch.Tensor, query: torch.Tensor, cu_seqlens) -> Pla
     builds it, again if the tensor was changed in place or now serves another batch shape or device."""
     key = id(batch_tensor)
     stamp = (batch_tensor._version, query.shape[0], query.shape[2], query.device)
-    hit = _HF_PLANS.get(key)
-    if hit is None:  # the batch tensor's death ends its Plan (and so its registration in _PLANS)
-        weakref.finalize(batch_tensor, _HF_PLANS.pop, key, None)
+    if (hit := _HF_PLANS.get(key)) is None:
+        weakref.finalize(batch_tensor, _HF_PLANS.pop, key, None)  # its death ends the Plan (and its _PLANS entry)
     elif hit[0] == stamp:
         return hit[1]
     _HF_PLANS[key] = (stamp, flamia_plan(*cu_seqlens(), device=query.device))
@@ -2090,10 +2082,9 @@ def _documents_of(position_ids: torch.Tensor, batch: int, seqlen: int) -> torch.
 
 
 def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BLOCK_TOKENS, **options):
-    """A transformers attention function computing FLAMIA with this recipe and block_tokens (options:
-    safeguard, rotate_qk, backend), registered as README.md shows WITH flash_attention_mask: without a
-    mask function transformers DROPS a padding mask unseen (with it, the mask arrives and is refused).
-    What it cannot compute is refused (ValueError naming the argument), never computed wrong."""
+    """A transformers attention function: FLAMIA with this recipe and block_tokens (options: safeguard, rotate_qk,
+    backend). Register it WITH flash_attention_mask (README.md): without one, transformers DROPS a padding mask
+    unseen (with it, the mask is refused). What it cannot compute it refuses (ValueError naming the argument)."""
     _check_options(recipe, block_tokens, options.get("backend"))
 
     def flamia_hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -2143,24 +2134,22 @@ def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BL
 
 
 # ---- 7. Causality auditor: does an attention implementation leak the future or across documents? ----
-# Bitwise and black-box: run the implementation on an adversarial packed batch, then again with one token's
-# q, k or v replaced by a large outlier (enough to move any data-dependent scale: per-token, per-block,
-# per-tensor). Every output row that must not depend on that token (earlier rows of its document, every row
-# of other documents) must stay bit-identical, LSE too if returned. The layout has documents starting
-# mid-block, lengths 1/31/32/33, an empty one and a long one; positions probe middles and ends of blocks.
+# Bitwise and black-box: run the implementation on an adversarial packed batch, then with one token's q, k or v an
+# outlier (enough to move any data-dependent scale: per token, block or tensor). Every output (and LSE) row that must
+# not depend on that token (earlier rows of its document, all rows of other documents) must stay bit-identical.
+# Documents start mid-block: lengths 1/31/32/33, an empty and a long one; positions probe block middles and ends.
 AUDIT_DOC_LENS = (33, 1, 31, 0, 32, 161)
 
 
 def audit_causality(attn_fn, *, heads=2, kv_heads=None, head_dim=64, doc_lens=AUDIT_DOC_LENS,
                     positions=None, tensors=("q", "k", "v"), outlier=1e3, device=None,
                     dtype=torch.bfloat16, seed=0, gradients=False):
-    """Audit `attn_fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)` (flash-attn varlen
-    signature, causal self-attention; may return out or (out, lse)). positions: {doc index: [positions]} to
-    perturb (default: a few per document). Returns the findings, [] if safe: one dict per (doc, position,
-    tensor, kind) that leaked, kind "future" (an earlier row of the same document changed) or "document" (a
-    row of another document), with the number of changed rows and the largest absolute change. gradients:
-    also back-propagate a fixed dO; a token's row then holds dQ too (a function of the tokens up to it), and
-    for other documents dK and dV (an earlier key's dK, dV legitimately depends on later queries)."""
+    """Audit `attn_fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)` (flash-attn varlen signature,
+    causal self-attention; returns out or (out, lse)). positions: {doc index: [positions]} to perturb (default: a few
+    each). Returns the findings, [] if safe: one dict per (doc, position, tensor, kind) that leaked, kind "future"
+    (an earlier row of its document changed) or "document" (a row of another document), with the changed rows' count
+    and max_abs_change. gradients: also back-propagate a fixed dO; a token's row then holds dQ too (a function of the
+    tokens up to it), and for other documents dK and dV (an earlier key's dK, dV rightly depend on later queries)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     kv_heads = kv_heads or heads
     gen = torch.Generator().manual_seed(seed)
