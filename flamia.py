@@ -1,10 +1,9 @@
 """FLAMIA: FLAsh MIcroscaling Attention -- FP8 / MXFP8 flash attention for training causal language
 models on packed variable-length documents, causally safe by construction.
 
-A single-file reimplementation of "FLAMIA: FLAsh MIcroscaling Attention for Fast and Causally Safe
-Training on Blackwell" (arXiv 2611.03344). Only the abstract is public: everything here is derived
-from it, from public analyses of the low-precision leak (MatX, TransformerEngine #3248,
-cuDNN-frontend #983/#1123) and from measurements on an H200. Sections:
+A single-file reimplementation of "FLAMIA: FLAsh MIcroscaling Attention for Fast and Causally Safe Training on
+Blackwell" (arXiv 2611.03344). Only the abstract is public: everything derives from it, from public analyses of the
+low-precision leak (MatX, TransformerEngine #3248, cuDNN-frontend #983/#1123) and from H200 measurements. Sections:
 
   1. formats          E4M3 + E8M0 scales (MXFP8); NVFP4 (E2M1 + E4M3 + FP32); MXFP4 (E2M1 + E8M0)
   2. scaling & plan   token-block, document-local scaling; recipes; the Plan (the varlen scheduler)
@@ -16,8 +15,7 @@ cuDNN-frontend #983/#1123) and from measurements on an H200. Sections:
   7. auditor          audit_causality: a bitwise leak test for any attention implementation
   8. interpreter      numerics fixes for Triton's CPU interpreter (applied whenever it runs)
 The optional flamia_hopper.py holds Hopper-only warp-specialized Gluon kernels (backend="gluon");
-this file alone is complete. The leak and the safeguard: section 2; limits and what ran where: README.
-"""
+this file alone is complete. The leak and the safeguard: section 2; limits and what ran where: README."""
 import collections
 import functools
 import math
@@ -136,10 +134,9 @@ PAD_ALIGN = 16  # token-transposed layouts start every document at a multiple of
 
 @dataclass(frozen=True)
 class Recipe:
-    """What a recipe puts in which format, and which kernels compute it. k_format: "bf16" (not quantized),
-    "e4m3" (MXFP8), or "nvfp4" / "mxfp4" (FP4 K). Q and V are MXFP8 in every quantized recipe (every query
-    tile re-reads all of K: K is where FP4's bytes pay); Q is always per token (a scale shared along its
-    rows leaks). A new recipe: its _RECIPES row, quantizer (section 3), operand_slots, oracle rounding."""
+    """Which format holds what, and which kernels compute it. k_format: "bf16", "e4m3" (MXFP8), "nvfp4" / "mxfp4"
+    (FP4 K). Quantized recipes keep Q and V MXFP8 (each query tile re-reads K: FP4 pays there), Q per token (a
+    row-shared scale leaks). A new recipe: a _RECIPES row, quantizer (section 3), operand_slots, oracle rounding."""
     name: str
     k_format: str
     backends: tuple  # "tl": every recipe; "dot_scaled": all scales E8M0 (Blackwell's MX MMA); "gluon": flamia_hopper
@@ -317,9 +314,8 @@ _RECENT_PLANS = collections.deque(maxlen=16)
 
 
 class Plan:
-    """The schedule of one packed batch: documents, tiles and their order. cu_seqlens_q / _k: int32
-    (n_docs + 1,) offsets (k defaults to q: the training case). device: where the kernels run
-    (default: cu_seqlens_q's); host offsets (a data loader's) and device="cuda" cost no GPU sync."""
+    """A packed batch's schedule: documents, tiles, their order. cu_seqlens_q / _k: int32 (n_docs + 1,) offsets (k
+    defaults to q). device: the kernels' (default: cu_seqlens_q's); host offsets with device="cuda": no GPU sync."""
 
     def __init__(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor = None, device=None):
         cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
@@ -713,11 +709,10 @@ def quantize_mxfp8_launch(x: torch.Tensor, plan: Plan, block_tokens: int = 1, si
     tiles = plan.tiles(QUANT_TILE, side, causal=False, skip_masked=False)
     if tiles.shape[0] > 0:
         _quantize_kernel[(tiles.shape[0], xq.shape[1], 1 + (second is not None) + (queries is not None))](
-            x, tiles, *outputs(out), *x.stride()[:2], t_pad, x2, *outputs(out2), *x2.stride()[:2],
-            xq, out_q.data, out_q.exp, *xq.stride()[:2], H=H, HQ=xq.shape[1], D=D, BLOCK_T=QUANT_TILE,
-            BLOCK_TOKENS=block_tokens, WRITE_T=transposed, WRITE_TOK=per_token_copy,
-            PTX_CVT=not INTERPRETED, SECOND=second is not None, WRITE_T2=out2.data is None,
-            QUERIES=queries is not None, num_warps=8)  # 4 warps spill with the per-token copy
+            x, tiles, *outputs(out), *x.stride()[:2], t_pad, x2, *outputs(out2), *x2.stride()[:2], xq, out_q.data,
+            out_q.exp, *xq.stride()[:2], H=H, HQ=xq.shape[1], D=D, BLOCK_T=QUANT_TILE, BLOCK_TOKENS=block_tokens,
+            WRITE_T=transposed, WRITE_TOK=per_token_copy, PTX_CVT=not INTERPRETED, SECOND=second is not None,
+            WRITE_T2=out2.data is None, QUERIES=queries is not None, num_warps=8)  # 4 warps spill (per-token copy)
     return MXFP8Launch(out, out2 if second is not None else None, out_q if queries is not None else None)
 
 
@@ -803,12 +798,11 @@ def _rotate_qk(q, k, softmax_scale):
 
 
 # ---- 4. The reference oracle ------------------------------------------------------------------
-# reference_attention() defines what a recipe computes: quantize with the recipe's scaling, dequantize, then
-# exact attention with per-document (causal) masking. It does NOT round P: the kernels also round P (times
-# V's power-of-two scale, relative to the row's max) to E4M3 for the fp8 P V (bf16 for recipe="bf16"), a
-# random error of ~1.5e-2 relative L2 in O (~2e-3 for bf16) that the kernel-vs-oracle tolerances allow; the
-# backward's P and dS are rounded to bf16. Kernels are tested against it; it is the CPU path. Quantizers are
-# straight-through (identity gradient): its autograd gives the gradients the kernels must match.
+# reference_attention() defines what a recipe computes: quantize as the recipe does, dequantize, then exact attention
+# with per-document (causal) masking. It does NOT round P: the kernels also round P (times V's power-of-two scale,
+# relative to the row's max) to E4M3 for the fp8 P V (bf16 for recipe="bf16"), a random error of ~1.5e-2 relative L2
+# in O (~2e-3 for bf16) that the test tolerances allow; the backward rounds P and dS to bf16. It is the kernels' test
+# oracle and the CPU path. Quantizers are straight-through: its autograd defines the kernels' gradients.
 def _fake_quant(x: torch.Tensor, cu_seqlens: torch.Tensor, block_tokens: int, fmt: str = "e4m3"):
     """x dequantized (fp32: FP4's s2 is not bf16), exactly (x - x is 0), with the identity gradient
     to x. (x + (deq - x) would round twice: not bit for bit the dequantized operand.)"""
@@ -960,9 +954,8 @@ def _backend_refusal(r: Recipe, backend: Optional[str]) -> Optional[str]:
 
 def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool = True,
             safeguard: bool = True, backend: Optional[str] = None, deterministic: bool = False) -> Variant:
-    """The Variant of a call on q-like x (its GPU, dtype, head dim). backend=None: the default rule
-    below, each choice measured fastest where it is taken; the tl backward with deterministic=True.
-    Without a plan the safeguard modes (None), and refusals they decide, are unknown."""
+    """The Variant of a call on q-like x (GPU, dtype, head dim). backend=None: the rule below (each choice measured
+    fastest); deterministic: the tl backward. No plan: safeguard modes (and their refusals) unknown (None)."""
     r, D = _RECIPES[recipe], x.shape[-1]
     if (row := TILES.get(D)) is None:
         raise ValueError(f"head_dim {D} has no tiles: add a row to flamia.TILES (rows: {sorted(TILES)})")
@@ -1771,10 +1764,9 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
 
 
 # ---- 6. Autograd, torch custom ops and the public API -----------------------------------------
-# The launches run as torch.library custom ops (fake implementations give output shapes), so torch.compile
-# sees opaque nodes instead of breaking the graph. A Plan cannot cross the op boundary: the ops receive the
-# cu_seqlens tensors and find the Plan built for exactly those tensor objects (every Plan registers itself),
-# or build one (one host sync). The forward's quantized operands leave the op as outputs for the backward:
+# Launches run as torch.library custom ops (fakes give shapes): torch.compile sees opaque nodes, no graph break. A
+# Plan cannot cross the op boundary: the ops get the cu_seqlens tensors, find the Plan built for them (every Plan
+# registers itself), or build one (a host sync). The forward's quantized operands are outputs, for the backward:
 class Operands(NamedTuple):
     """Shapes, dtypes: operand_slots. Unused slots are empty tensors (op outputs: never None or aliases)."""
     q: torch.Tensor  # E4M3, per token ...
@@ -2198,9 +2190,8 @@ def audit_causality(attn_fn, *, heads=2, kv_heads=None, head_dim=64, doc_lens=AU
 
 
 def varlen_adapter(dense_fn):
-    """Wrap a causal attention callable on (batch, seqlen, heads, head_dim) tensors for audit_causality: the
-    documents become the batch (zero-padded at their end, which a causal row never sees), all in ONE call,
-    so statistics shared across the batch (a per-tensor scale) show up as document leaks."""
+    """Adapt a causal attention on (B, S, H, D) for audit_causality: documents become the batch (zero-padded at the
+    end, unseen by causal rows), in ONE call, so batch-wide statistics (per-tensor scales) show as document leaks."""
     def fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         bounds = cu_seqlens_q.tolist()
         offs = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
