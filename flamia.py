@@ -59,7 +59,6 @@ def e8m0_exponent(amax: torch.Tensor, elem_max: float = E4M3_MAX) -> torch.Tenso
 
 
 def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
-    """2^(e - 127) as fp32; NaN for 0xFF."""
     s = torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.int() - 127)  # exact
     return torch.where(e == E8M0_NAN, torch.nan, s)
 
@@ -480,8 +479,7 @@ def quantize_mxfp8_reference(x: torch.Tensor, cu_seqlens: torch.Tensor, block_to
 
 
 def transpose_tokens_reference(data: torch.Tensor, offsets: list) -> torch.Tensor:
-    """(T, H, D) -> (H, D, T_padded) with every document starting at a multiple of 16 tokens: the
-    layout the Triton quantizer writes, up to the end of the last document's zero padding."""
+    """(T, H, D) -> (H, D, T_padded), documents 16-aligned: the quantizer's layout up to the last padded end."""
     _, H, D = data.shape
     out, p = data.new_zeros(H, D, sum(_pad16(b - a) for a, b in zip(offsets, offsets[1:]))), 0
     for a, b in zip(offsets, offsets[1:]):
@@ -804,8 +802,7 @@ def _rotate_qk(q, k, softmax_scale):
 # in O (~2e-3 for bf16) that the test tolerances allow; the backward rounds P and dS to bf16. It is the kernels' test
 # oracle and the CPU path. Quantizers are straight-through: its autograd defines the kernels' gradients.
 def _fake_quant(x: torch.Tensor, cu_seqlens: torch.Tensor, block_tokens: int, fmt: str = "e4m3"):
-    """x dequantized (fp32: FP4's s2 is not bf16), exactly (x - x is 0), with the identity gradient
-    to x. (x + (deq - x) would round twice: not bit for bit the dequantized operand.)"""
+    """x dequantized exactly (fp32: FP4's s2 isn't bf16) with the identity gradient; x + (deq - x) rounds twice."""
     deq = (quantize_mxfp8_reference(x.detach(), cu_seqlens, block_tokens).dequantize(cu_seqlens) if fmt == "e4m3"
            else dequantize_fp4(*quantize_fp4_reference(x.detach(), fmt)))
     x = x.float()
@@ -1523,8 +1520,7 @@ def _scale_cast_kernel(X, Y, scale, N, BLOCK: tl.constexpr):
 
 
 def _scale_cast(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """(x * scale).to(dtype) in one pass (what x.mul_(scale).to(dtype) computes, bit for bit: an
-    fp32 multiply, then one rounding), for the Gluon backward's fp32 dQ sum: one read instead of three."""
+    """(x * scale).to(dtype), bit for bit, in one pass (one read, not three): the Gluon backward's fp32 dQ sum."""
     y = torch.empty(x.shape, dtype=dtype, device=x.device)
     if x.numel() > 0:
         _scale_cast_kernel[(triton.cdiv(x.numel(), 4096),)](x, y, scale, x.numel(), BLOCK=4096)
@@ -1930,8 +1926,7 @@ class _FlamiaAttention(torch.autograd.Function):
 
 
 def kernels_available(device) -> bool:
-    """True where the Triton kernels run: a CUDA device, or Triton's interpreter (TRITON_INTERPRET=1);
-    elsewhere the public functions compute the recipe's function with the oracle (P unrounded)."""
+    """True where the Triton kernels run (CUDA, or TRITON_INTERPRET=1); elsewhere the API runs the oracle."""
     return torch.device(device).type == "cuda" or (INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1")
 
 
@@ -2209,8 +2204,7 @@ def varlen_adapter(dense_fn):
 # widening ones too; (3) int -> bf16 stores the value as raw bits. The fixes route those operations through torch's
 # correctly rounded casts; if the interpreter's internals have moved, FLAMIA refuses to run interpreted.
 INTERPRETED = not isinstance(_attn_fwd, triton.runtime.JITFunction)
-# Older interpreters fail on these kernels (3.6: numpy TypeErrors; 3.7: tl.dot_scaled); GPUs need >= 3.6.
-INTERPRETER_MIN_TRITON = (3, 8)
+INTERPRETER_MIN_TRITON = (3, 8)  # older: numpy TypeErrors (3.6), tl.dot_scaled fails (3.7); GPUs need >= 3.6
 
 
 def _fix_interpreter_numerics():
@@ -2222,7 +2216,6 @@ def _fix_interpreter_numerics():
     import numpy as np
     from triton._C.libtriton import ir
     from triton.runtime import interpreter as interp
-
     B = interp.InterpreterBuilder
     if getattr(interp, "_numerics_patched", False):
         return
