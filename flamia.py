@@ -138,7 +138,7 @@ class Recipe:
     row-shared scale leaks). A new recipe: a _RECIPES row, quantizer (section 3), operand_slots, oracle rounding."""
     name: str
     k_format: str
-    backends: tuple  # "tl": every recipe; "dot_scaled": all scales E8M0 (Blackwell's MX MMA); "gluon": flamia_hopper
+    backends: tuple  # "tl": all recipes; "dot_scaled": needs all scales E8M0 (MX MMA); "gluon": flamia_hopper.py
 
     @property
     def quantized(self) -> bool:
