@@ -1,11 +1,9 @@
-"""
-FLAMIA: FLAsh MIcroscaling Attention -- FP8 / MXFP8 flash attention for training causal language
+"""FLAMIA: FLAsh MIcroscaling Attention -- FP8 / MXFP8 flash attention for training causal language
 models on packed variable-length documents, causally safe by construction.
 
-A single-file reimplementation of "FLAMIA: FLAsh MIcroscaling Attention for Fast and Causally Safe
-Training on Blackwell" (arXiv 2611.03344). Only the abstract is public: everything here is derived
-from it, from public analyses of the low-precision leak (MatX, TransformerEngine #3248,
-cuDNN-frontend #983/#1123) and from measurements on an H200. Sections:
+A single-file reimplementation of "FLAMIA: FLAsh MIcroscaling Attention for Fast and Causally Safe Training on
+Blackwell" (arXiv 2611.03344). Only the abstract is public: everything derives from it, from public analyses of the
+low-precision leak (MatX, TransformerEngine #3248, cuDNN-frontend #983/#1123) and from H200 measurements. Sections:
 
   1. formats          E4M3 + E8M0 scales (MXFP8); NVFP4 (E2M1 + E4M3 + FP32); MXFP4 (E2M1 + E8M0)
   2. scaling & plan   token-block, document-local scaling; recipes; the Plan (the varlen scheduler)
@@ -17,8 +15,7 @@ cuDNN-frontend #983/#1123) and from measurements on an H200. Sections:
   7. auditor          audit_causality: a bitwise leak test for any attention implementation
   8. interpreter      numerics fixes for Triton's CPU interpreter (applied whenever it runs)
 The optional flamia_hopper.py holds Hopper-only warp-specialized Gluon kernels (backend="gluon");
-this file alone is complete. The leak and the safeguard: section 2; limits and what ran where: README.
-"""
+this file alone is complete. The leak and the safeguard: section 2; limits and what ran where: README."""
 import collections
 import functools
 import math
@@ -62,22 +59,18 @@ def e8m0_exponent(amax: torch.Tensor, elem_max: float = E4M3_MAX) -> torch.Tenso
 
 
 def e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
-    """2^(e - 127) as fp32; NaN for 0xFF."""
     s = torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.int() - 127)  # exact
     return torch.where(e == E8M0_NAN, torch.nan, s)
 
 
-# FP4 elements are E2M1 (+-{0, .5, 1, 1.5, 2, 3, 4, 6}), two per byte, first in the low nibble.
-# NVFP4: an E4M3 scale per 16 elements along the head dim and a second-level FP32 scale, usually ONE
-# amax over the whole tensor: a statistic over every token of every document, which leaks across
-# time and documents. Here it is per token and head: s2 = amax / (448 * 6). MXFP4 (OCP MX, what
-# tl.dot_scaled("e2m1") takes): an E8M0 scale per 32 elements by MXFP8's rule for E2M1's max 6, s2 = 1.
+# FP4 elements are E2M1 (+-{0, .5, 1, 1.5, 2, 3, 4, 6}), two per byte, first in the low nibble. NVFP4: an E4M3 scale
+# per 16 elements and a second-level FP32 scale, usually ONE amax over the whole tensor: a statistic over every token
+# of every document, which leaks across time and documents. Here: per token and head, s2 = amax / (448 * 6). MXFP4
+# (OCP MX, what tl.dot_scaled("e2m1") takes): an E8M0 scale per 32 elements by MXFP8's rule for E2M1's max 6, s2 = 1.
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
-    """Round-to-nearest-even onto the E2M1 grid, saturating at 6. Returns uint8 codes 0..15
-    (bit 3 = sign, bits 0-2 = magnitude index into E2M1_VALUES)."""
+    """RNE onto the E2M1 grid, saturating at 6: uint8 codes 0..15 (bit 3: sign; bits 0-2: index into E2M1_VALUES)."""
     a = x.abs()
-    # Boundaries between neighbours; a tie goes to the even mantissa (0, 1, 2, 4 have mantissa 0):
-    # 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4.
+    # Boundaries, a tie to the even mantissa (0, 1, 2, 4): 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4.
     k = ((a > 0.25).int() + (a >= 0.75).int() + (a > 1.25).int() + (a >= 1.75).int()
          + (a > 2.5).int() + (a >= 3.5).int() + (a > 5.0).int())
     return (k + 8 * (x < 0).int()).to(torch.uint8)
@@ -89,9 +82,8 @@ def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp4_reference(x: torch.Tensor, fmt: str = "nvfp4"):
-    """x: (T, H, D) -> (packed (T, H, D//2) uint8; block scales: NVFP4's (T, H, D//16) float8_e4m3fn
-    or MXFP4's (T, H, D//32) uint8 E8M0; second-level scale s2 (T, H) fp32: NVFP4's per token, ones
-    for MXFP4, so that MXFP4 travels through NVFP4's code paths)."""
+    """x (T, H, D) -> (packed (T, H, D//2) uint8, block scales (T, H, D//16) E4M3 (NVFP4) or (T, H, D//32) uint8 E8M0
+    (MXFP4), second level s2 (T, H) fp32: NVFP4's per token, MXFP4's ones (so it takes NVFP4's code paths))."""
     _check_tensor(x, "x")
     T, H, D = x.shape
     xf = x.float()
@@ -107,8 +99,7 @@ def quantize_fp4_reference(x: torch.Tensor, fmt: str = "nvfp4"):
         s2 = torch.where(s2 > 0, s2, torch.ones_like(s2))  # all-zero token: any scale, codes are 0
         xb = xf.view(T, H, D // NVFP4_BLOCK, NVFP4_BLOCK)
         amax_b = xb.abs().amax(-1)
-        sb = (amax_b / torch.full_like(amax_b, E2M1_MAX) / s2[..., None]).clamp(max=E4M3_MAX)
-        sb = sb.to(torch.float8_e4m3fn)
+        sb = (amax_b / torch.full_like(amax_b, E2M1_MAX) / s2[..., None]).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
         denom = sb.float() * s2[..., None]
         denom = torch.where(denom > 0, denom, torch.ones_like(denom))
     codes = e2m1_encode(xb / denom[..., None]).view(T, H, D)
@@ -116,9 +107,8 @@ def quantize_fp4_reference(x: torch.Tensor, fmt: str = "nvfp4"):
 
 
 def dequantize_fp4(packed: torch.Tensor, block_scale: torch.Tensor, s2=None, dtype=torch.float32):
-    """NVFP4 (E4M3 block scales) or MXFP4 (uint8 E8M0 block scales) back to `dtype`, (T, H, D).
-    s2: the (T, H) second-level scale; None leaves it out (the kernels' fp32 factor): code x block
-    scale is exact in bf16 (6 significant bits); fp16 is clamped (MXFP4's can pass its maximum)."""
+    """NVFP4 (E4M3 block scales) or MXFP4 (E8M0 ones) back to `dtype`, (T, H, D); s2 (T, H): the second level, or
+    None (the kernels' fp32 factor): code x block scale is exact in bf16; fp16 is clamped (MXFP4's can exceed it)."""
     T, H, D2 = packed.shape
     codes = torch.stack([packed & 15, packed >> 4], dim=-1).view(T, H, 2 * D2)
     n_blocks = block_scale.shape[-1]
@@ -130,12 +120,11 @@ def dequantize_fp4(packed: torch.Tensor, block_scale: torch.Tensor, s2=None, dty
 
 
 # ---- 2. Token-block, document-local scaling, recipes, and the Plan (the varlen scheduler) -----
-# Packed documents come as THD tensors (total_tokens, heads, head_dim) plus cu_seqlens, the int32 offsets
-# [0, L0, L0+L1, ..., total] of the documents (flash-attn's convention; empty documents are legal). A scale
-# block is `block_tokens` (B_t) consecutive tokens of ONE document and ONE head, over the whole head dim;
-# blocks restart at every document start, so no block, and no statistic, spans two documents. Each token
-# carries a copy of its block's E8M0 byte, head-major (H, T_padded) in the padded token layout
-# (padded_columns): documents start at 16-aligned columns, so a tile's scales load in aligned wide words.
+# Packed documents: THD tensors (total_tokens, heads, head_dim) plus int32 cu_seqlens = [0, L0, L0+L1, ..., total]
+# (flash-attn's convention; empty documents are legal). A scale block is `block_tokens` (B_t) consecutive tokens of
+# ONE document and ONE head, over the whole head dim; blocks restart at every document start, so no block (no
+# statistic) spans two documents. Each token holds a copy of its block's E8M0 byte, head-major (H, T_padded) in the
+# padded layout (padded_columns): documents start 16-aligned, so tiles load their scales in aligned words.
 BLOCK_TOKENS = (1, 32, 64, 128)
 DEFAULT_BLOCK_TOKENS = 1  # per token: no per-token copies to write, the cheaper on packed short documents
 QUANT_TILE = 128  # tokens per quantizer program; a multiple of every B_t
@@ -144,14 +133,12 @@ PAD_ALIGN = 16  # token-transposed layouts start every document at a multiple of
 
 @dataclass(frozen=True)
 class Recipe:
-    """What a recipe puts in which format, and which kernels compute it. k_format: "bf16" (not quantized),
-    "e4m3" (MXFP8), or "nvfp4" / "mxfp4" (FP4 K). Q and V are MXFP8 in every quantized recipe (every query
-    tile re-reads all of K: K is where FP4's bytes pay); Q is always per token (a scale shared along its
-    rows leaks). A new recipe: its _RECIPES row, quantizer (section 3), operand_slots, oracle rounding."""
+    """Which format holds what, and which kernels compute it. k_format: "bf16", "e4m3" (MXFP8), "nvfp4" / "mxfp4"
+    (FP4 K). Quantized recipes keep Q and V MXFP8 (each query tile re-reads K: FP4 pays there), Q per token (a
+    row-shared scale leaks). A new recipe: a _RECIPES row, quantizer (section 3), operand_slots, oracle rounding."""
     name: str
     k_format: str
-    backends: tuple  # the backends that compute it: "tl" every recipe; "dot_scaled" needs every scale
-    # E8M0 (what tl.dot_scaled takes: Blackwell's MX MMA); "gluon" flamia_hopper.py's kernels
+    backends: tuple  # "tl": all recipes; "dot_scaled": needs all scales E8M0 (MX MMA); "gluon": flamia_hopper.py
 
     @property
     def quantized(self) -> bool:
@@ -174,10 +161,9 @@ def _pad16(n):
     return -(-n // PAD_ALIGN) * PAD_ALIGN
 
 
-# The causal safeguard's rules, in one place. Positions are document-local, on the key axis (a query's
-# position is its row plus the causal shift Lk - Lq). A (query, key) pair STRADDLES when the key's scale
-# block also holds the query's position: the block's scale is then a function of keys after the query, so
-# the pair must use the per-token quantized copies of K and V. The kernels call the jitted twins below.
+# The causal safeguard's rules, in one place. Positions: document-local, on the key axis (a query's: its row plus the
+# causal shift Lk - Lq). A (query, key) pair STRADDLES when the key's scale block also holds the query's position:
+# its scale then depends on keys after the query, so the pair uses K and V's per-token copies. Jitted twins below.
 def _token_copies(recipe: Recipe, causal: bool, safeguard: bool, block_tokens: int) -> bool:
     """Whether K and V also get per-token quantized copies (pairs can straddle)."""
     return recipe.quantized and causal and safeguard and block_tokens > 1
@@ -230,22 +216,20 @@ def _check_cu_seqlens(cu, name: str) -> None:
         raise ValueError(f"{name} must be 1-D [0, ..., total], 2+ entries, got shape {tuple(cu.shape)}")
 
 
-# The Plan cuts every document into start-aligned tiles that never cross a document boundary: 128-token
-# tiles for the quantizer (whole scale blocks), query tiles (forward, dQ) or key tiles (dK/dV) for
-# attention. Only tiles with unmasked pairs exist: no program runs on a fully masked tile, and documents of
-# length 0, 1 or 33 need no special case. Work is sorted heaviest first (longest processing time): the GPU
-# takes programs roughly in launch order, so long causal rows start first and short ones fill the tail. The
-# Plan reads cu_seqlens to the host ONCE (the only host sync) and caches its tables, like FlexAttention's
-# BlockMask. Tile table columns (int32, a row per work item): "own" is the tile's document (queries for
-# query tiles, keys for key tiles), "other" the matching one; *_PAD: their starts in the padded layouts.
+# The Plan cuts every document into start-aligned tiles that never cross a document boundary: 128-token tiles for the
+# quantizer (whole scale blocks), query tiles (forward, dQ) or key tiles (dK/dV) for attention. Only tiles with
+# unmasked pairs exist: no program runs on a fully masked tile, and documents of length 0, 1 or 33 need no special
+# case. Work is sorted heaviest first (LPT): the GPU takes programs roughly in launch order, so long causal rows
+# start first and short ones fill the tail. The Plan reads cu_seqlens to the host ONCE (the only sync) and caches its
+# tables, like FlexAttention's BlockMask. Table columns (int32, a row per tile): "own" is the tile's document
+# (queries for query tiles, keys for key tiles), "other" the matching one; *_PAD: their starts in the padded layouts.
 TILE_START, TILE_END, OWN_START, OWN_END, OTHER_START, OTHER_END, OTHER_PAD, OWN_PAD = (
     tl.constexpr(i) for i in range(8))
 
 
-# A kernel reads its tile's row once, into a TileRow (FA4's BlockInfo), and takes the key tiles it visits
-# (query tiles) or the query tiles (key tiles) from _key_range / _query_range: the one place where the
-# causal mask and the safeguard decide which tiles are visited and which take the masked path. Every
-# kernel calls them: the tl and Gluon forwards, dQ, dK/dV (Gluon compiles these scalar functions too).
+# A kernel reads its tile's row once into a TileRow (FA4's BlockInfo), and takes the tiles it visits from
+# _key_range / _query_range: the one place where the causal mask and the safeguard decide which tiles run and which
+# take the masked path. All kernels call them: the tl and Gluon forwards, dQ, dK/dV (Gluon compiles them too).
 def record(cls):
     """A Triton aggregate (values that kernels pass around as one) built from its fields in order;
     triton 3.6 needs the __init__ that later versions write themselves."""
@@ -321,17 +305,15 @@ def _query_range(tile, BLOCK_M: tl.constexpr, BLOCK_TOKENS: tl.constexpr, CAUSAL
     return q_lo, q_mid
 
 
-# The custom ops find plans here: id(cu_seqlens_q on the plan's device) -> Plan, while the Plan
-# lives (it holds that tensor: a strong entry would keep both forever). Plans that calls build
-# themselves (no plan=) live on in _RECENT_PLANS for the backward and later layers, boundedly.
+# The custom ops find plans here: id(cu_seqlens_q on the plan's device) -> Plan, while the Plan lives (a strong entry
+# would keep both forever). Plans that calls build (no plan=) live on in _RECENT_PLANS for later layers, boundedly.
 _PLANS = weakref.WeakValueDictionary()
 _RECENT_PLANS = collections.deque(maxlen=16)
 
 
 class Plan:
-    """The schedule of one packed batch: documents, tiles and their order. cu_seqlens_q / _k: int32
-    (n_docs + 1,) offsets (k defaults to q: the training case). device: where the kernels run
-    (default: cu_seqlens_q's); host offsets (a data loader's) and device="cuda" cost no GPU sync."""
+    """A packed batch's schedule: documents, tiles, their order. cu_seqlens_q / _k: int32 (n_docs + 1,) offsets (k
+    defaults to q). device: the kernels' (default: cu_seqlens_q's); host offsets with device="cuda": no GPU sync."""
 
     def __init__(self, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor = None, device=None):
         cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
@@ -354,8 +336,7 @@ class Plan:
         self.cu_seqlens_q = _to_device(cu_seqlens_q, self.device)
         self.cu_seqlens_k = self.cu_seqlens_q if same else _to_device(cu_seqlens_k, self.device)
         self.total_q, self.total_k = self.offsets_q[-1], self.offsets_k[-1]
-        # self-attention: one tile table for both sides (Q, K and V share a quantizer launch)
-        self.same_documents = same or self.offsets_q == self.offsets_k
+        self.same_documents = same or self.offsets_q == self.offsets_k  # self-attention: one tile table, one launch
         lens = [(b - a, d - c) for a, b, c, d in
                 zip(self.offsets_q, self.offsets_q[1:], self.offsets_k, self.offsets_k[1:])]
         self.max_seqlen_q, self.max_seqlen_k = map(max, zip(*lens))
@@ -364,11 +345,9 @@ class Plan:
         self.padded_q, self.padded_k = (padded_tokens(n, len(lens)) for n in (self.total_q, self.total_k))
         # Rows that see no key at all (bottom-right causal with Lq > Lk, or an empty key document):
         # their tiles are never launched, so their outputs must start as 0 (and their LSE as -inf).
-        self.rows_without_keys = {True: any(lq > lk for lq, lk in lens),
-                                  False: any(lk == 0 < lq for lq, lk in lens)}
+        self.rows_without_keys = {True: any(lq > lk for lq, lk in lens), False: any(lk == 0 < lq for lq, lk in lens)}
         self.keys_without_rows = any(lq == 0 < lk for lq, lk in lens)  # dK, dV must start as 0
-        # Divides every causal shift Lk - Lq (0: all are 0, the training case); see _tile_safeguard
-        self.shift_gcd = math.gcd(*(lk - lq for lq, lk in lens))
+        self.shift_gcd = math.gcd(*(lk - lq for lq, lk in lens))  # of all causal shifts (0: all 0); _tile_safeguard
         self._tables = {}
         # (id, side) -> (weak ref, version) of the tensors known to hold these offsets (check_offsets)
         self._known = {(id(t), side): (weakref.ref(t), t._version) for side, t in
@@ -377,12 +356,10 @@ class Plan:
         self.version = self.cu_seqlens_q._version  # an in-place change of cu_seqlens invalidates it
 
     def check_offsets(self, cu: torch.Tensor, name: str) -> None:
-        """Refuse cu_seqlens other than the plan's (its tiles would attend across documents). The
-        plan's own tensors, unchanged since, pass without a host sync; another tensor is compared
-        once (one sync) and remembered until it changes in place."""
+        """Refuse cu_seqlens other than the plan's (its tiles would attend across documents): the plan's own tensors,
+        unchanged, pass without a host sync; another is compared once (a sync), remembered until changed in place."""
         side = name[-1]
-        known = self._known.get((id(cu), side))
-        if known is not None and known[0]() is cu and known[1] == cu._version:
+        if (known := self._known.get((id(cu), side))) and known[0]() is cu and known[1] == cu._version:
             return
         offsets = self.offsets_q if side == "q" else self.offsets_k
         if cu.shape != (len(offsets),) or cu.tolist() != offsets:
@@ -393,15 +370,13 @@ class Plan:
             self._known[id(cu), s] = (weakref.ref(cu), cu._version)
 
     def tiles(self, block: int, side: str, causal: bool = True, skip_masked: bool = True):
-        """(n_tiles, 8) int32 table of the `block`-token tiles of the `side` ("q" or "k") documents, on
-        the plan's device (cached); skip_masked=False keeps masked tiles (the quantizer sees each token).
-        Built with tensor ops, not a loop per tile, and copied without a GPU sync: a training step builds
-        its tables in its first layer's forward and backward, where a sync would drain the GPU's queue."""
+        """(n_tiles, 8) int32 table of the `block`-token tiles of the `side` ("q" or "k") documents, on the plan's
+        device (cached); skip_masked=False keeps masked tiles (the quantizer's). No GPU sync: a trainer builds the
+        tables inside a step (first layer's forward, backward), where a sync drains the GPU's queue."""
         key = (block, side, causal, skip_masked)
         if key not in self._tables:
-            q, k = (self.offsets_q, self.pad_q), (self.offsets_k, self.pad_k)
-            (own, own_pad), (other, other_pad) = (q, k) if side == "q" else (k, q)
-            own, other, own_pad, other_pad = (torch.tensor(x) for x in (own, other, own_pad, other_pad))
+            sides = [torch.tensor(x) for x in (self.offsets_q, self.offsets_k, self.pad_q, self.pad_k)]
+            own, other, own_pad, other_pad = sides if side == "q" else (sides[1], sides[0], sides[3], sides[2])
             n = (own.diff() + block - 1) // block  # tiles per document
             d = torch.repeat_interleave(torch.arange(len(n)), n)  # each tile's document
             o0, o1, t0, t1 = own[d], own[d + 1], other[d], other[d + 1]
@@ -423,8 +398,7 @@ class Plan:
 
 
 def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """x on `device`, from the host without a GPU sync: a pageable host tensor's copy waits for the
-    GPU's queue to drain (torch syncs the stream), a pinned one's is queued behind it."""
+    """x on `device`, no GPU sync (torch syncs the stream after copying a pageable host tensor, not a pinned one)."""
     if x.device.type == "cpu" and device.type == "cuda":
         return x.pin_memory().to(device, non_blocking=True)
     return x.to(device)
@@ -434,9 +408,8 @@ flamia_plan = Plan  # the Plan of a batch: build it once and pass it as plan= to
 
 
 def padded_tokens(total: int, n_docs: int) -> int:
-    """Width T_padded of the padded token layouts: a bound on the 16-aligned documents from shapes only (the
-    custom op's fake implementation cannot read cu_seqlens), rounded up to 128 tokens so that every channel
-    row starts on a 128-byte cache line (unaligned rows measured slower in the H200's forward)."""
+    """Width T_padded of the padded layouts: a bound on the 16-aligned documents from shapes only (fake tensors
+    can't read cu_seqlens), rounded up to 128 tokens: rows start on 128-byte cache lines (measured faster, H200)."""
     return max(-(-(total + (PAD_ALIGN - 1) * n_docs) // 128) * 128, 128)
 
 
@@ -448,9 +421,8 @@ def _doc_index(cu_seqlens: torch.Tensor, total: int):
 
 
 def padded_columns(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """(T,) int64: each token's column in the padded token layouts ((H, T_padded) exponents, (H, D,
-    T_padded) transposed data): documents start at multiples of PAD_ALIGN columns, their padding holds zero
-    tokens (exponent 1), columns past the last document's padding are never written. No host sync."""
+    """(T,) int64: each token's padded column ((H, T_padded) exponents, (H, D, T_padded) data_t): documents start at
+    multiples of PAD_ALIGN; padding holds zero tokens (exponent 1); the tail is never written. No host sync."""
     doc, pos = _doc_index(cu_seqlens, total)
     pad_start = torch.cat([pos.new_zeros(1), _pad16(cu_seqlens.long().diff()).cumsum(0)])
     return pad_start[doc] + pos
@@ -468,14 +440,12 @@ def token_block_start(cu_seqlens: torch.Tensor, total: int, block_tokens: int) -
 #     amax_b      = max over the B_t-token block of t    (document-local)
 #     e[h, t]     = scale rule(amax_b)                   (E8M0, a copy per token, padded_columns)
 #     data[t,h,:] = E4M3(x[t, h, :] / 2^(e - 127))       (exact power-of-two division, RNE)
-# The same quantized tensor serves both matrix orientations: along the head dim its scale is
-# constant (a rank-1 post-scale of Q K^T), along tokens it changes only every B_t tokens (B_t = 32
-# is exactly an MX block along the contraction of P V). Hopper's fp8 wgmma wants its second
-# operand K-major: the Triton quantizer can write a token-transposed copy in the same pass.
+# One quantized tensor serves both matrix orientations: along the head dim its scale is constant (a rank-1 post-scale
+# of Q K^T), along tokens it changes every B_t tokens (B_t = 32 is exactly an MX block along the contraction of P V).
+# Hopper's fp8 wgmma wants its second operand K-major: the quantizer can also write a token-transposed copy.
 class MXFP8(NamedTuple):
-    """A quantized (T, H, D) tensor: float8_e4m3fn data (T, H, D) or data_t (H, D, T_padded:
-    token-transposed), the other None, and exp (H, T_padded) uint8 E8M0, in the padded token layout
-    of x's documents. tok: x quantized per token (the safeguard's copy), where it was made."""
+    """A quantized (T, H, D) tensor: E4M3 data (T, H, D) or data_t (H, D, T_padded: token-transposed), the other
+    None; exp (H, T_padded) uint8 E8M0, in x's padded token layout; tok: the safeguard's per-token copy, if made."""
     data: torch.Tensor
     exp: torch.Tensor
     data_t: torch.Tensor = None
@@ -505,8 +475,7 @@ def quantize_mxfp8_reference(x: torch.Tensor, cu_seqlens: torch.Tensor, block_to
     amax = x.float().abs().amax(-1)  # (T, H); NaN propagates, so a NaN token gets e = 0xFF
     if block_tokens > 1:
         idx = token_block_start(cu_seqlens, T, block_tokens)[:, None].expand(T, H)
-        amax = torch.zeros_like(amax).scatter_reduce(0, idx, amax, "amax", include_self=False)
-        amax = amax.gather(0, idx)
+        amax = torch.zeros_like(amax).scatter_reduce(0, idx, amax, "amax", include_self=False).gather(0, idx)
     e = e8m0_exponent(amax)  # (T, H)
     inv = torch.ldexp(torch.ones_like(amax), 127 - e.int().clamp(max=253))  # 1/s, exact
     exp = e.new_ones(H, padded_tokens(T, cu_seqlens.numel() - 1))  # padding: zero tokens, e = 1
@@ -516,8 +485,7 @@ def quantize_mxfp8_reference(x: torch.Tensor, cu_seqlens: torch.Tensor, block_to
 
 
 def transpose_tokens_reference(data: torch.Tensor, offsets: list) -> torch.Tensor:
-    """(T, H, D) -> (H, D, T_padded) with every document starting at a multiple of 16 tokens: the
-    layout the Triton quantizer writes, up to the end of the last document's zero padding."""
+    """(T, H, D) -> (H, D, T_padded), documents 16-aligned: the quantizer's layout up to the last padded end."""
     _, H, D = data.shape
     out, p = data.new_zeros(H, D, sum(_pad16(b - a) for a, b in zip(offsets, offsets[1:]))), 0
     for a, b in zip(offsets, offsets[1:]):
@@ -702,19 +670,17 @@ class MXFP8Launch(NamedTuple):
 
 def quantize_mxfp8(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str = "q",
                    transposed: bool = False, per_token_copy: bool = False) -> MXFP8:
-    """Fused Triton quantizer: ONE launch reads x (T, H, D) once and writes the block-scaled data
-    (row-major, or token-transposed with transposed=True: how the forward reads V), its exponents,
-    and with per_token_copy=True the per-token quantized copy in the same layout (.tok, for the
-    causal safeguard). `side`: whose documents x follows in `plan` ("q" or "k")."""
+    """Fused Triton quantizer: ONE launch reads x (T, H, D) once and writes the block-scaled data (row-major, or
+    token-transposed with transposed=True: how the forward reads V), its exponents, and with per_token_copy=True
+    the per-token copy in the same layout (.tok, the causal safeguard's). `side`: whose documents x follows."""
     return quantize_mxfp8_launch(x, plan, block_tokens, side, transposed, per_token_copy).x
 
 
 def quantize_mxfp8_launch(x: torch.Tensor, plan: Plan, block_tokens: int = 1, side: str = "q",
                           transposed: bool = False, per_token_copy: bool = False, second=None,
                           queries=None) -> MXFP8Launch:
-    """quantize_mxfp8, with more tensors in the same launch (the forward quantizes in one):
-    second=(x2, transposed2), a tensor of x's shape, documents and block_tokens (K and V);
-    queries=q, Q (T, Hq, D) of the same documents (Hq a multiple of H), per token, row-major."""
+    """quantize_mxfp8 with more tensors in its launch (the forward's one): second=(x2, transposed2), like x in shape,
+    documents and block_tokens (K and V); queries=q (T, Hq, D), same documents, Hq a multiple of H, per token."""
     _check_block_tokens(block_tokens)
     x = _quantizer_input(x, plan, side)
     T, H, D = x.shape
@@ -723,8 +689,7 @@ def quantize_mxfp8_launch(x: torch.Tensor, plan: Plan, block_tokens: int = 1, si
     def alloc(x, transposed, tok):  # x's MXFP8 (with its per-token copy if tok), to be written
         new = lambda: MXFP8(None if transposed else x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
                             x.new_empty(x.shape[1], t_pad, dtype=torch.uint8),
-                            x.new_empty(x.shape[1], D, t_pad, dtype=torch.float8_e4m3fn)
-                            if transposed else None)
+                            x.new_empty(x.shape[1], D, t_pad, dtype=torch.float8_e4m3fn) if transposed else None)
         return new()._replace(tok=new()) if tok else new()
 
     def outputs(m):  # the kernel's Y, E, YT, Y_TOK, E_TOK, YT_TOK for m (Y and YT: the same data)
@@ -748,11 +713,10 @@ def quantize_mxfp8_launch(x: torch.Tensor, plan: Plan, block_tokens: int = 1, si
     tiles = plan.tiles(QUANT_TILE, side, causal=False, skip_masked=False)
     if tiles.shape[0] > 0:
         _quantize_kernel[(tiles.shape[0], xq.shape[1], 1 + (second is not None) + (queries is not None))](
-            x, tiles, *outputs(out), *x.stride()[:2], t_pad, x2, *outputs(out2), *x2.stride()[:2],
-            xq, out_q.data, out_q.exp, *xq.stride()[:2], H=H, HQ=xq.shape[1], D=D, BLOCK_T=QUANT_TILE,
-            BLOCK_TOKENS=block_tokens, WRITE_T=transposed, WRITE_TOK=per_token_copy,
-            PTX_CVT=not INTERPRETED, SECOND=second is not None, WRITE_T2=out2.data is None,
-            QUERIES=queries is not None, num_warps=8)  # 4 warps spill with the per-token copy
+            x, tiles, *outputs(out), *x.stride()[:2], t_pad, x2, *outputs(out2), *x2.stride()[:2], xq, out_q.data,
+            out_q.exp, *xq.stride()[:2], H=H, HQ=xq.shape[1], D=D, BLOCK_T=QUANT_TILE, BLOCK_TOKENS=block_tokens,
+            WRITE_T=transposed, WRITE_TOK=per_token_copy, PTX_CVT=not INTERPRETED, SECOND=second is not None,
+            WRITE_T2=out2.data is None, QUERIES=queries is not None, num_warps=8)  # 4 warps spill (per-token copy)
     return MXFP8Launch(out, out2 if second is not None else None, out_q if queries is not None else None)
 
 
@@ -815,12 +779,11 @@ def quantize_fp4(x: torch.Tensor, plan: Plan, fmt: str = "nvfp4", side: str = "q
     return out
 
 
-# Q/K rotation ("incoherence processing", as FlashAttention-3 does for FP8), rotate_qk=True. S = Q K^T is
-# unchanged when Q and K are both multiplied by one orthogonal matrix, but their quantization error is not:
-# a head-dim channel with outliers (RoPE'd queries and keys have some) sets the scale of its whole block and
-# pushes the other channels toward E4M3's bottom. A Hadamard matrix with random column signs spreads every
-# channel over all D. We use the UNNORMALIZED +-1 matrix (exact in bf16; 1/sqrt(128) is not) and divide the
-# softmax scale by D (a power of two: exact). It acts along the head dim only: no statistic crosses tokens.
+# Q/K rotation (rotate_qk=True; "incoherence processing", FlashAttention-3's for FP8). S = Q K^T is unchanged when Q
+# and K share one orthogonal rotation; their quantization error is not: a head-dim channel with outliers (RoPE makes
+# some) sets its block's scale, pushing the others toward E4M3's bottom. A Hadamard matrix with random column signs
+# spreads every channel over all D. We use the UNNORMALIZED +-1 matrix (exact in bf16; 1/sqrt(128) is not) and divide
+# the softmax scale by D (a power of two: exact). Along the head dim only: no statistic crosses tokens.
 @functools.lru_cache(maxsize=None)  # one per head dim and device
 def qk_rotation(head_dim: int, device=None) -> torch.Tensor:
     """The (D, D) +-1 matrix H diag(signs), H H^T = D I (Sylvester Hadamard, fixed random signs)."""
@@ -839,19 +802,15 @@ def _rotate_qk(q, k, softmax_scale):
 
 
 # ---- 4. The reference oracle ------------------------------------------------------------------
-# reference_attention() defines what a recipe computes: quantize with the recipe's scaling, dequantize, then
-# exact attention with per-document (causal) masking. It does NOT round P: the kernels also round P (times
-# V's power-of-two scale, relative to the row's max) to E4M3 for the fp8 P V (bf16 for recipe="bf16"), a
-# random error of ~1.5e-2 relative L2 in O (~2e-3 for bf16) that the kernel-vs-oracle tolerances allow; the
-# backward's P and dS are rounded to bf16. Kernels are tested against it; it is the CPU path. Quantizers are
-# straight-through (identity gradient): its autograd gives the gradients the kernels must match.
+# reference_attention() defines what a recipe computes: quantize as the recipe does, dequantize, then exact attention
+# with per-document (causal) masking. It does NOT round P: the kernels also round P (times V's power-of-two scale,
+# relative to the row's max) to E4M3 for the fp8 P V (bf16 for recipe="bf16"), a random error of ~1.5e-2 relative L2
+# in O (~2e-3 for bf16) that the test tolerances allow; the backward rounds P and dS to bf16. It is the kernels' test
+# oracle and the CPU path. Quantizers are straight-through: its autograd defines the kernels' gradients.
 def _fake_quant(x: torch.Tensor, cu_seqlens: torch.Tensor, block_tokens: int, fmt: str = "e4m3"):
-    """x dequantized (fp32: FP4's s2 is not bf16), exactly (x - x is 0), with the identity gradient
-    to x. (x + (deq - x) would round twice: not bit for bit the dequantized operand.)"""
-    if fmt == "e4m3":
-        deq = quantize_mxfp8_reference(x.detach(), cu_seqlens, block_tokens).dequantize(cu_seqlens)
-    else:
-        deq = dequantize_fp4(*quantize_fp4_reference(x.detach(), fmt))
+    """x dequantized exactly (fp32: FP4's s2 isn't bf16) with the identity gradient; x + (deq - x) rounds twice."""
+    deq = (quantize_mxfp8_reference(x.detach(), cu_seqlens, block_tokens).dequantize(cu_seqlens) if fmt == "e4m3"
+           else dequantize_fp4(*quantize_fp4_reference(x.detach(), fmt)))
     x = x.float()
     return deq + (x - x.detach())
 
@@ -913,13 +872,12 @@ def attention_fp64(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, causal=True, sof
 # variant() decides once per call what runs -- backend, forward kernel, K's format, tiles, the safeguard's
 # mode per kernel -- or why the requested backend cannot; the launchers (5a, 5b) only read its Variant.
 #
-# TILES, one row per head dim: a head dim joins here and nowhere else (HEAD_DIMS are its keys; the Gluon
-# kernels refuse head dims they lack). The tl.dot tiles are `bench.py --tune`'s on the H200 at D=128 (D=64
-# reuses them): fp8 wants long key tiles (P V contracts over BLOCK_N) and a warpgroup per 64 query rows,
-# narrow diagonal tiles (MASKED_N) help packed documents, bigger query tiles in dK/dV spill; the FP4
-# emulation is not tuned. Blackwell (`bench.py --sm100`, never timed): Triton lowers tl.dot_scaled to the MX
-# block-scaled MMA only for >= 128 query rows (with 64 it upcasts K to a bf16 MMA), with the widest key
-# tiles that compile without spills; the H200's dK/dV tiles spill there: 64 keys.
+# TILES, one row per head dim: a head dim joins here and nowhere else (HEAD_DIMS: its keys; the Gluon kernels refuse
+# head dims they lack). The tl.dot tiles are `bench.py --tune`'s on the H200 at D=128 (D=64 reuses them): fp8 wants
+# long key tiles (P V contracts over BLOCK_N) and a warpgroup per 64 query rows, narrow diagonal tiles (MASKED_N)
+# help packed documents, bigger query tiles in dK/dV spill; the FP4 emulation is not tuned. Blackwell
+# (`bench.py --sm100`, never timed): Triton lowers tl.dot_scaled to the MX MMA only for >= 128 query rows (64 upcast
+# K to a bf16 MMA), with the widest key tiles compiling without spills; the H200's dK/dV tiles spill there: 64 keys.
 class Tiles(NamedTuple):
     fwd: dict  # K's operand (Variant.k_operand) -> (BLOCK_M, BLOCK_N, MASKED_N, num_warps, num_stages)
     fwd_sm100: dict  # of the tl.dot forward; the same, tl.dot_scaled forward on Blackwell
@@ -934,8 +892,7 @@ _FWD_TILES = dict(bf16=(128, 128, 64, 8, 3), e4m3=(64, 128, 32, 4, 3), fp4_decod
 _FWD_TILES_SM100 = dict(e4m3=(128, 128, 32, 8, 3), fp4_packed=(128, 32, 32, 8, 3))
 TILES = {  # D=128, per pair: three stages of four bf16 key tiles need 256 KiB of shared memory (H200: 227)
     128: Tiles(_FWD_TILES, _FWD_TILES_SM100, (32, 128, 8, 3), (32, 64, 8, 1), (128, 64, 8, 3), 2),
-    64: Tiles(_FWD_TILES, _FWD_TILES_SM100, (32, 128, 8, 3), (32, 64, 4, 1), (128, 64, 8, 3), 3),
-}
+    64: Tiles(_FWD_TILES, _FWD_TILES_SM100, (32, 128, 8, 3), (32, 64, 4, 1), (128, 64, 8, 3), 3)}
 HEAD_DIMS = tuple(sorted(TILES))
 
 
@@ -956,11 +913,10 @@ class Variant(NamedTuple):  # what computes one call
 
 
 def _tile_safeguard(plan: Plan, block_tokens: int, *blocks: int) -> bool:
-    """Whether kernels with these tile sizes can take the causal safeguard per tile instead of per
-    pair: when B_t is a multiple of every tile size and divides every causal shift (always so in
-    self-attention), each start-aligned query or key tile lies inside one key block, and a tile pair
-    either shares its block (every visible pair straddles: the whole tile uses the per-token copies)
-    or lies in an earlier one (safe). This is what makes B_t=128 cheap: one MMA per masked tile."""
+    """Whether kernels with these tile sizes can take the causal safeguard per tile, not per pair: when B_t is a
+    multiple of every tile size and divides every causal shift (always so in self-attention), each start-aligned
+    query or key tile lies in one key block, and a tile pair shares its block (every visible pair straddles: the tile
+    uses the per-token copies) or lies in an earlier one (safe). So B_t=128 costs one MMA per masked tile."""
     return block_tokens % max(blocks) == 0 and plan.shift_gcd % block_tokens == 0
 
 
@@ -1001,12 +957,10 @@ def _backend_refusal(r: Recipe, backend: Optional[str]) -> Optional[str]:
 
 def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool = True,
             safeguard: bool = True, backend: Optional[str] = None, deterministic: bool = False) -> Variant:
-    """The Variant of a call on q-like x (its GPU, dtype, head dim). backend=None: the default rule
-    below, each choice measured fastest where it is taken; the tl backward with deterministic=True.
-    Without a plan the safeguard modes (None), and refusals they decide, are unknown."""
+    """The Variant of a call on q-like x (GPU, dtype, head dim). backend=None: the rule below (each choice measured
+    fastest); deterministic: the tl backward. No plan: safeguard modes (and their refusals) unknown (None)."""
     r, D = _RECIPES[recipe], x.shape[-1]
-    row = TILES.get(D)
-    if row is None:
+    if (row := TILES.get(D)) is None:
         raise ValueError(f"head_dim {D} has no tiles: add a row to flamia.TILES (rows: {sorted(TILES)})")
     copies = _token_copies(r, causal, safeguard, block_tokens)
     mode = lambda blocks: (None if plan is None else "off" if not copies else
@@ -1046,8 +1000,7 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
     if gluon_bwd and not gluon_refusal(gluon_dkdv):  # dQ's adds in no fixed order: not deterministic
         bwd, dkdv, modes = "gluon", gluon_dkdv(), (modes[0], mode(gluon_dkdv()[:2]), None)
     kernel = {"tl": _attn_fwd, "dot_scaled": _attn_fwd_blackwell}.get(backend)
-    quantize_q = (kernel is _attn_fwd and r.quantized and plan is not None
-                  and not plan.rows_without_keys[causal])
+    quantize_q = kernel is _attn_fwd and r.quantized and plan is not None and not plan.rows_without_keys[causal]
     return Variant(r, backend, None, kernel, tma, k_operand, copies, fwd, dkdv, dq, modes, bwd, quantize_q)
 
 
@@ -1060,11 +1013,10 @@ def variant(x, recipe: str, block_tokens: int, plan: Plan = None, causal: bool =
 #       m    = max(m, rowmax(s2));  p = exp2(s2 - m);  l = l * alpha + rowsum(p)
 #       acc += E4M3(p * 2^(ev[j] - ref_i + 8)) @ Vq^T          fp8 MMA, V's scale folded into P
 #
-# V's scale varies along the contraction (keys), so it is folded into P before P is quantized: exact, since
-# scales are powers of two. To keep p * 2^ev inside E4M3's range, each row carries a reference exponent
-# ref_i = max ev over the keys it has seen (then p~ <= 2^8 < 448), and the accumulator lives in units of
-# 2^(ref_i - 8), rescaled when ref_i grows, like the softmax max m. ref_i is a per-row statistic over
-# *visible* keys only (a max over the whole tile would leak the future on the diagonal).
+# V's scale varies along the contraction, so it is folded into P before P is quantized (exact: powers of two). To
+# keep p * 2^ev in E4M3's range, each row carries a reference exponent ref_i = max ev over the keys seen (then
+# p~ <= 2^8 < 448); the accumulator lives in units of 2^(ref_i - 8), rescaled as ref_i grows (like m). ref_i is a
+# per-row statistic over *visible* keys only (a max over the whole tile would leak the future on the diagonal).
 #
 # The causal safeguard (section 2's rules), on masked (diagonal) tiles only: straddling pairs use the
 # per-token copies KS, VS ("pair": a second small MMA on the diagonal tiles), or, where _tile_safeguard
@@ -1321,11 +1273,10 @@ def _fwd_store(state, O, LSE, offs_m, qmask, h, H, T_Q, D: tl.constexpr, QUANT: 
     tl.store(LSE + h * T_Q + offs_m, lse, mask=qmask)
 
 
-# The portable forward (backend="tl": Hopper's fp8 wgmma, any other GPU, the interpreter): Q K^T
-# through tl.dot with the scales outside the MMA. One step = one key tile at document-local offset
-# start_n; ek, ev are its scales, loaded one step ahead: Triton software-pipelines only the loads
-# that feed a dot, so the step issues the next tile's scale loads first and their latency hides
-# behind this tile's MMAs. ONE_SCALE: scalar ek, ev join the row factors (2 multiplies/entry of S saved).
+# The portable forward (backend="tl": Hopper's fp8 wgmma, other GPUs, the interpreter): Q K^T by tl.dot, the scales
+# outside the MMA. A step = the key tile at document-local start_n; its scales ek, ev are loaded one step ahead:
+# Triton software-pipelines only the loads that feed a dot, so a step issues the next tile's scale loads first, their
+# latency hidden behind its MMAs. ONE_SCALE: scalar ek, ev join the row factors (2 multiplies/entry of S saved).
 @triton.jit
 def _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, kv, kv_tok, k_len, v_len, HK, stride_vd,
                    stride_vt, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
@@ -1406,10 +1357,9 @@ def _attn_fwd(
     _fwd_store(state, O, LSE, offs_m, qmask, h, H, T_Q, D, QUANT)
 
 
-# The Blackwell forward (backend="dot_scaled": sm_100's MX tensor cores; elsewhere Triton emulates
-# tl.dot_scaled, TMA off): Q K^T through tl.dot_scaled with the E8M0 scales inside the MMA, K as
-# E4M3 (e4m3) or E2M1 (fp4_packed, E8M0 block scales KB); with TMA, Q, K, V come through
-# per-document tensor descriptors; E8M0 rows are read in 32-bit words. The same steps as above.
+# The Blackwell forward (backend="dot_scaled": sm_100's MX MMAs; elsewhere Triton emulates tl.dot_scaled, TMA off):
+# tl.dot_scaled computes Q K^T with the E8M0 scales inside the MMA, K as E4M3 (e4m3) or E2M1 (fp4_packed, E8M0 block
+# scales KB); with TMA, Q, K, V load through per-document descriptors; E8M0 rows load as 32-bit words. Same steps.
 @triton.jit
 def _attn_fwd_blackwell_step(state, ek, ev, q, q_e8, qscale, pos_q, start_n, kv, kv_tok, KB, k_len,
                              v_len, HK, stride_vd, stride_vt, D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -1486,8 +1436,7 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
     (Tq, H, D), (Tk, HK) = q.shape, k.shape[:2]
     empty_rows = plan.rows_without_keys[causal]
     o = (torch.zeros if empty_rows else torch.empty)(Tq, H, D, dtype=q.dtype, device=q.device)
-    lse = (torch.full((H, Tq), float("-inf"), device=q.device) if empty_rows
-           else torch.empty(H, Tq, device=q.device))
+    lse = torch.full((H, Tq), float("-inf"), device=q.device) if empty_rows else torch.empty(H, Tq, device=q.device)
     tiles = plan.tiles(var.fwd[0], "q", causal)
     if not var.recipe.quantized:
         ops = ops._replace(q=q.contiguous(), k=k.contiguous(), v_t=v.contiguous())
@@ -1495,16 +1444,13 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
         kw = dict(softmax_scale=softmax_scale, causal=causal, block_tokens=block_tokens)
         if not var.recipe.quantized:
             return flamia_hopper.attn_fwd(ops.q, None, ops.k, None, ops.v_t, None, o, lse, tiles, **kw)
-        per_token = ((ops.k_tok, ops.k_tok_exp, ops.v_tok_t, ops.v_tok_exp) if var.modes[0] == "tile"
-                     else None)
-        # v_len: the token-transposed V ends at the last document's padding; the tail of the buffer
-        # is never written, so the kernel's TMA boxes must read zeros (out of bounds) there.
+        per_token = (ops.k_tok, ops.k_tok_exp, ops.v_tok_t, ops.v_tok_exp) if var.modes[0] == "tile" else None
+        # v_len: V^T's tail past the last document's padding is never written: TMA must read zeros there
         return flamia_hopper.attn_fwd(ops.q, ops.q_exp, ops.k, ops.k_exp, ops.v_t, ops.v_exp, o, lse,
                                       tiles, per_token=per_token, v_len=plan.pad_k[-1], **kw)
     BLOCK_M, BLOCK_N, MASKED_N, warps, stages = var.fwd
     strides_v = (D * plan.padded_k, plan.padded_k, 1) if var.recipe.quantized else (D, 1, HK * D)
-    k_data = (dequantize_fp4(ops.k, ops.k_block, dtype=torch.bfloat16) if var.k_operand == "fp4_decoded"
-              else ops.k)
+    k_data = dequantize_fp4(ops.k, ops.k_block, dtype=torch.bfloat16) if var.k_operand == "fp4_decoded" else ops.k
     k_tok = (ops.k_tok, ops.k_tok_exp) if var.copies and not var.recipe.k_fp4 else (k_data, ops.k_exp)
     v_tok = (ops.v_tok_t, ops.v_tok_exp) if var.copies else (ops.v_t, ops.v_exp)
     operands = (ops.q, ops.q_exp, (k_data, ops.k_exp, ops.v_t, ops.v_exp), ops.k_block, (*k_tok, *v_tok))
@@ -1514,23 +1460,21 @@ def _attn_forward(q, k, v, ops, plan: Plan, var: Variant, *, causal, softmax_sca
     if tiles.shape[0] > 0:
         var.kernel[(tiles.shape[0], H)](
             *operands, o, lse, tiles, *strides_v, softmax_scale * 1.4426950408889634,  # log2(e)
-            Tq, Tk, H, HK, plan.padded_q, plan.padded_k, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            MASKED_N=MASKED_N, BLOCK_TOKENS=block_tokens, CAUSAL=causal, K_OPERAND=var.k_operand,
-            SAFEGUARD=var.modes[0], num_warps=warps, num_stages=stages,
-            **(dict(TMA=var.tma) if var.kernel is _attn_fwd_blackwell else
+            Tq, Tk, H, HK, plan.padded_q, plan.padded_k, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, MASKED_N=MASKED_N,
+            BLOCK_TOKENS=block_tokens, CAUSAL=causal, K_OPERAND=var.k_operand, SAFEGUARD=var.modes[0],
+            num_warps=warps, num_stages=stages, **(dict(TMA=var.tma) if var.kernel is _attn_fwd_blackwell else
                dict(XQ=xq, stride_xqt=xq.stride(0), stride_xqh=xq.stride(1), QUANTIZE_Q=var.quantize_q)))
     return o, lse
 
 
 # ---- 5b. Backward kernels ---------------------------------------------------------------------
-# The backward differentiates the function the forward computed: S is recomputed from exactly the forward's
-# quantized operands (the same safeguard selection on the diagonal) and P from the saved LSE. On Hopper
-# these kernels are issue-bound, not MMA-bound: fp8 MMAs there saved less than the scale multiplies and
-# fp8-to-bf16 conversions cost (measured on the H200). So every recipe's backward runs bf16 MMAs: the
-# quantized recipes on the forward's operands DEQUANTIZED exactly (E4M3 x 2^e, and FP4's code x block scale,
-# fit bf16 exactly; FP4's FP32 second level stays an fp32 factor per key, K_SCALED), and dO as given. The
-# gradients are the oracle's up to bf16 rounding of P and dS. Two kernels, no atomics (deterministic): dK/dV
-# per key tile over query tiles, dQ per query tile over key tiles (the forward's schedule):
+# The backward differentiates the function the forward computed: S is recomputed from exactly the forward's quantized
+# operands (the same safeguard choice on the diagonal) and P from the saved LSE. On Hopper these kernels are
+# issue-bound, not MMA-bound: fp8 MMAs there saved less than the scale multiplies and fp8-to-bf16 conversions cost
+# (measured, H200). So every recipe's backward runs bf16 MMAs: the quantized recipes on the forward's operands
+# DEQUANTIZED exactly (E4M3 x 2^e and FP4's code x block scale fit bf16; FP4's second level stays an fp32 factor per
+# key, K_SCALED), and dO as given. Gradients: the oracle's up to bf16 rounding of P and dS. Two kernels, no atomics
+# (deterministic): dK/dV per key tile over query tiles, dQ per query tile over key tiles (as the forward):
 #
 #   dK/dV:  for each query tile i:  P^T = exp2(S^T - lse_i);  dV += P^T dO_i
 #                                   dS^T = P^T * (V dO_i^T - Delta_i);  dK += dS^T Q_i
@@ -1582,8 +1526,7 @@ def _scale_cast_kernel(X, Y, scale, N, BLOCK: tl.constexpr):
 
 
 def _scale_cast(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """(x * scale).to(dtype) in one pass (what x.mul_(scale).to(dtype) computes, bit for bit: an
-    fp32 multiply, then one rounding), for the Gluon backward's fp32 dQ sum: one read instead of three."""
+    """(x * scale).to(dtype), bit for bit, in one pass (one read, not three): the Gluon backward's fp32 dQ sum."""
     y = torch.empty(x.shape, dtype=dtype, device=x.device)
     if x.numel() > 0:
         _scale_cast_kernel[(triton.cdiv(x.numel(), 4096),)](x, y, scale, x.numel(), BLOCK=4096)
@@ -1783,8 +1726,7 @@ def _attn_bwd_dq(
     tl.store(DQ + ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=qmask[:, None])
 
 
-def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal, softmax_scale,
-                   block_tokens):
+def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal, softmax_scale, block_tokens):
     """dq, dk, dv from the forward's quantized operands `ops` (unused for bf16)."""
     (Tq, H, D), (Tk, HK) = q.shape, k.shape[:2]
     r, do, dtype, tile_safeguard = var.recipe, do.contiguous(), q.dtype, var.modes[1] == "tile"
@@ -1824,10 +1766,9 @@ def _attn_backward(do, q, k, v, o, lse, ops, plan: Plan, var: Variant, *, causal
 
 
 # ---- 6. Autograd, torch custom ops and the public API -----------------------------------------
-# The launches run as torch.library custom ops (fake implementations give output shapes), so torch.compile
-# sees opaque nodes instead of breaking the graph. A Plan cannot cross the op boundary: the ops receive the
-# cu_seqlens tensors and find the Plan built for exactly those tensor objects (every Plan registers itself),
-# or build one (one host sync). The forward's quantized operands leave the op as outputs for the backward:
+# Launches run as torch.library custom ops (fakes give shapes): torch.compile sees opaque nodes, no graph break. A
+# Plan cannot cross the op boundary: the ops get the cu_seqlens tensors, find the Plan built for them (every Plan
+# registers itself), or build one (a host sync). The forward's quantized operands are outputs, for the backward:
 class Operands(NamedTuple):
     """Shapes, dtypes: operand_slots. Unused slots are empty tensors (op outputs: never None or aliases)."""
     q: torch.Tensor  # E4M3, per token ...
@@ -1860,11 +1801,9 @@ def operand_slots(recipe: Recipe, q_shape, k_shape, q_pad: int, k_pad: int, copi
     return Operands(((Tq, H, D), f8), ((H, q_pad), u8), *k, *k_tok, *v, *(v if copies else (None, None)))
 
 
-def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, copies: bool,
-                       quantize_q: bool = False):
-    """The forward's Operands: ONE fused quantizer launch for Q, K and V (self-attention; two
-    when the query documents differ from the key documents or K is FP4); bf16: all unused. With
-    quantize_q (Variant.quantize_q) Q's slots are only allocated: the forward kernel writes them."""
+def _quantize_operands(q, k, v, plan: Plan, recipe: Recipe, block_tokens: int, copies: bool, quantize_q=False):
+    """The forward's Operands: ONE fused quantizer launch for Q, K and V (self-attention; two for other query
+    documents or FP4 K); bf16: all unused. With quantize_q, Q's slots are only allocated: the forward writes them."""
     unused = lambda: q.new_empty(0, dtype=torch.float32)
     if not recipe.quantized:
         return Operands(*(unused() for _ in Operands._fields))
@@ -1924,9 +1863,8 @@ def _check_finite(q, k, v) -> None:
 
 
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-            cu_seqlens_k: torch.Tensor, dense: list[int], causal: bool, softmax_scale: float,
-            recipe: str, block_tokens: int, safeguard: bool, backend: Optional[str],
-            check_finite: bool) -> list[torch.Tensor]:
+              cu_seqlens_k: torch.Tensor, dense: list[int], causal: bool, softmax_scale: float, recipe: str,
+              block_tokens: int, safeguard: bool, backend: Optional[str], check_finite: bool) -> list[torch.Tensor]:
     plan = _plan_for(cu_seqlens_q, cu_seqlens_k, dense)
     _check_plan(plan, q.shape[0], k.shape[0])
     var = variant(q, recipe, block_tokens, plan, causal, safeguard, backend)
@@ -1947,15 +1885,13 @@ def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, dense, causal, softmax_scale,
     slots = operand_slots(r, q.shape, k.shape, *(padded_tokens(x.shape[0], n_docs) for x in (q, k)),
                           _token_copies(r, causal, safeguard, block_tokens))
     return [torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32),
-            *(q.new_empty(slot[0], dtype=slot[1]) if slot else q.new_empty(0, dtype=torch.float32)
-              for slot in slots)]
+            *(q.new_empty(s[0], dtype=s[1]) if s else q.new_empty(0, dtype=torch.float32) for s in slots)]
 
 
 def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-            lse: torch.Tensor, ops: list[torch.Tensor], cu_seqlens_q: torch.Tensor,
-            cu_seqlens_k: torch.Tensor, dense: list[int], causal: bool, softmax_scale: float,
-            recipe: str, block_tokens: int, safeguard: bool, backend: Optional[str],
-            deterministic: bool) -> list[torch.Tensor]:
+              lse: torch.Tensor, ops: list[torch.Tensor], cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+              dense: list[int], causal: bool, softmax_scale: float, recipe: str, block_tokens: int, safeguard: bool,
+              backend: Optional[str], deterministic: bool) -> list[torch.Tensor]:
     plan = _plan_for(cu_seqlens_q, cu_seqlens_k, dense)
     var = variant(q, recipe, block_tokens, plan, causal, safeguard, backend, deterministic)
     return list(_attn_backward(do, q, k, v, o, lse, Operands(*ops), plan, var, causal=causal,
@@ -1963,9 +1899,8 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def _custom_op(name, impl, fake):
-    """impl as the custom op flamia::name (fake: its outputs' shapes); the result calls the op while
-    torch.compile traces, else impl directly: the dispatcher's round trip (schema check, redispatch,
-    alias check) costs tens of microseconds of host time per call (measured, launches stubbed out)."""
+    """impl as the custom op flamia::name (fake: its outputs' shapes), called only while torch.compile traces:
+    else impl runs directly, as the dispatcher's round trip costs tens of microseconds of host time (measured)."""
     op = torch.library.custom_op(f"flamia::{name}", impl, mutates_args=(), device_types=("cuda", "cpu"))
     op.register_fake(fake)
     return lambda *args: (op if torch.compiler.is_compiling() else impl)(*args)
@@ -1997,10 +1932,8 @@ class _FlamiaAttention(torch.autograd.Function):
 
 
 def kernels_available(device) -> bool:
-    """True where the Triton kernels run: a CUDA device, or Triton's interpreter (TRITON_INTERPRET=1);
-    elsewhere the public functions compute the recipe's function with the oracle (P unrounded)."""
-    interpreting = INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"
-    return torch.device(device).type == "cuda" or interpreting
+    """True where the Triton kernels run (CUDA, or TRITON_INTERPRET=1); elsewhere the API runs the oracle."""
+    return torch.device(device).type == "cuda" or (INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def _check_call(q, k, v, dims: int, recipe, block_tokens, backend) -> None:
@@ -2022,15 +1955,13 @@ def _check_call(q, k, v, dims: int, recipe, block_tokens, backend) -> None:
 
 
 def _check_options(recipe, block_tokens, backend) -> None:
-    """Validates the FLAMIA options before a call (backend None: chosen per call by variant())."""
     if recipe not in _RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
     _check_block_tokens(block_tokens)
     if backend is not None and backend not in BACKENDS:
         renamed = " (backend='wgmma' is now 'tl')" if backend == "wgmma" else ""
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}{renamed}")
-    why = _backend_refusal(_RECIPES[recipe], backend)
-    if why:
+    if why := _backend_refusal(_RECIPES[recipe], backend):
         raise ValueError(why)
 
 
@@ -2068,11 +1999,10 @@ def flamia_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
                             softmax_scale=None, recipe="mxfp8", block_tokens=DEFAULT_BLOCK_TOKENS,
                             safeguard=True, rotate_qk=False, backend=None, plan=None, return_lse=False,
                             check_finite=False, deterministic=False):
-    """FLAMIA attention on packed documents, with flash-attn's varlen signature and layouts: q
-    (total_q, H, D), k, v (total_k, Hk, D) with H % Hk == 0, bf16 or fp16, D 64 or 128; int32
-    cu_seqlens (n_docs + 1,); max_seqlen_*: bounds on the document lengths. README.md's API table
-    gives each option and why its default; safeguard=False LEAKS the future (tests and demos only).
-    Returns out (total_q, H, D) [and lse (H, total_q), natural log, not differentiable]."""
+    """FLAMIA attention on packed documents, flash-attn's varlen signature and layouts: q (total_q, H, D), k, v
+    (total_k, Hk, D), H % Hk == 0, bf16 or fp16, D 64 or 128; int32 cu_seqlens (n_docs + 1,); max_seqlen_*: bounds on
+    the document lengths. README.md's API table explains each option's default; safeguard=False LEAKS the future
+    (tests and demos only). Returns out (total_q, H, D) [and lse (H, total_q): natural log, not differentiable]."""
     _check_call(q, k, v, 3, recipe, block_tokens, backend)
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan must be a flamia.Plan (from flamia_plan), got {type(plan).__name__}")
@@ -2128,9 +2058,8 @@ def _hf_plan(batch_tensor: torch.Tensor, query: torch.Tensor, cu_seqlens) -> Pla
     builds it, again if the tensor was changed in place or now serves another batch shape or device."""
     key = id(batch_tensor)
     stamp = (batch_tensor._version, query.shape[0], query.shape[2], query.device)
-    hit = _HF_PLANS.get(key)
-    if hit is None:  # the batch tensor's death ends its Plan (and so its registration in _PLANS)
-        weakref.finalize(batch_tensor, _HF_PLANS.pop, key, None)
+    if (hit := _HF_PLANS.get(key)) is None:
+        weakref.finalize(batch_tensor, _HF_PLANS.pop, key, None)  # its death ends the Plan (and its _PLANS entry)
     elif hit[0] == stamp:
         return hit[1]
     _HF_PLANS[key] = (stamp, flamia_plan(*cu_seqlens(), device=query.device))
@@ -2138,28 +2067,25 @@ def _hf_plan(batch_tensor: torch.Tensor, query: torch.Tensor, cu_seqlens) -> Pla
 
 
 def _documents_of(position_ids: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
-    """int32 cu_seqlens of the rows flattened: a document starts at every row start and wherever
-    the position does not follow its predecessor (transformers' rule for packed rows, which also
-    covers positions that restart at 1 rather than 0). On the host: one read per batch."""
+    """int32 cu_seqlens of the rows flattened: a document starts at every row start and wherever the position
+    does not follow its predecessor (transformers' rule; also for restarts at 1). On the host: one read per batch."""
     pos = position_ids.expand(batch, seqlen).cpu()  # (1, S) position_ids serve every row
     starts = torch.cat([torch.ones(batch, 1, dtype=torch.bool), pos[:, 1:] != pos[:, :-1] + 1], 1)
     return torch.cat([starts.flatten(), torch.tensor([True])]).nonzero().flatten().to(torch.int32)
 
 
 def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BLOCK_TOKENS, **options):
-    """A transformers attention function computing FLAMIA with this recipe and block_tokens (options:
-    safeguard, rotate_qk, backend), registered as README.md shows WITH flash_attention_mask: without a
-    mask function transformers DROPS a padding mask unseen (with it, the mask arrives and is refused).
-    What it cannot compute is refused (ValueError naming the argument), never computed wrong."""
+    """A transformers attention function: FLAMIA with this recipe and block_tokens (options: safeguard, rotate_qk,
+    backend). Register it WITH flash_attention_mask (README.md): without one, transformers DROPS a padding mask
+    unseen (with it, the mask is refused). What it cannot compute it refuses (ValueError naming the argument)."""
     _check_options(recipe, block_tokens, options.get("backend"))
 
     def flamia_hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         (B, H, Sq, D), Sk = query.shape, key.shape[2]
         if D not in HEAD_DIMS:
             dims = " or ".join(map(str, HEAD_DIMS))
-            raise ValueError(f"head_dim {D}: FLAMIA's kernels take head_dim {dims}; set the model "
-                             f"config's head_dim (e.g. LlamaConfig(head_dim=64)), or "
-                             f"hidden_size / num_attention_heads to one of them")
+            raise ValueError(f"head_dim {D}: FLAMIA's kernels take head_dim {dims}; set the model config's head_dim "
+                             f"(e.g. LlamaConfig(head_dim=64)), or hidden_size / num_attention_heads to one of them")
         if attention_mask is not None and (attention_mask.dim() != 2 or not attention_mask.all()):
             raise ValueError(f"attention_mask: FLAMIA takes no padding or 4-D mask (it applies the "
                              f"causal, per-document mask itself); got shape {tuple(attention_mask.shape)}. "
@@ -2177,8 +2103,7 @@ def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BL
             raise ValueError(f"query length {Sq} != key length {Sk} (a KV cache): FLAMIA's "
                              f"adapter computes full-sequence forwards only; use use_cache=False, "
                              f"or another attn_implementation to generate")
-        causal = kwargs.get("is_causal")
-        causal = getattr(module, "is_causal", True) if causal is None else causal
+        causal = kwargs["is_causal"] if kwargs.get("is_causal") is not None else getattr(module, "is_causal", True)
         if query.dtype == torch.float32 and torch.is_autocast_enabled(query.device.type):
             # fp32 RoPE tables promote q, k under autocast: attend in the autocast dtype
             query, key, value = (x.to(torch.get_autocast_dtype(x.device.type)) for x in (query, key, value))
@@ -2201,24 +2126,22 @@ def flamia_hf_attention_fn(recipe: str = "mxfp8", block_tokens: int = DEFAULT_BL
 
 
 # ---- 7. Causality auditor: does an attention implementation leak the future or across documents? ----
-# Bitwise and black-box: run the implementation on an adversarial packed batch, then again with one token's
-# q, k or v replaced by a large outlier (enough to move any data-dependent scale: per-token, per-block,
-# per-tensor). Every output row that must not depend on that token (earlier rows of its document, every row
-# of other documents) must stay bit-identical, LSE too if returned. The layout has documents starting
-# mid-block, lengths 1/31/32/33, an empty one and a long one; positions probe middles and ends of blocks.
+# Bitwise and black-box: run the implementation on an adversarial packed batch, then with one token's q, k or v an
+# outlier (enough to move any data-dependent scale: per token, block or tensor). Every output (and LSE) row that must
+# not depend on that token (earlier rows of its document, all rows of other documents) must stay bit-identical.
+# Documents start mid-block: lengths 1/31/32/33, an empty and a long one; positions probe block middles and ends.
 AUDIT_DOC_LENS = (33, 1, 31, 0, 32, 161)
 
 
 def audit_causality(attn_fn, *, heads=2, kv_heads=None, head_dim=64, doc_lens=AUDIT_DOC_LENS,
                     positions=None, tensors=("q", "k", "v"), outlier=1e3, device=None,
                     dtype=torch.bfloat16, seed=0, gradients=False):
-    """Audit `attn_fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)` (flash-attn varlen
-    signature, causal self-attention; may return out or (out, lse)). positions: {doc index: [positions]} to
-    perturb (default: a few per document). Returns the findings, [] if safe: one dict per (doc, position,
-    tensor, kind) that leaked, kind "future" (an earlier row of the same document changed) or "document" (a
-    row of another document), with the number of changed rows and the largest absolute change. gradients:
-    also back-propagate a fixed dO; a token's row then holds dQ too (a function of the tokens up to it), and
-    for other documents dK and dV (an earlier key's dK, dV legitimately depends on later queries)."""
+    """Audit `attn_fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)` (flash-attn varlen signature,
+    causal self-attention; returns out or (out, lse)). positions: {doc index: [positions]} to perturb (default: a few
+    each). Returns the findings, [] if safe: one dict per (doc, position, tensor, kind) that leaked, kind "future"
+    (an earlier row of its document changed) or "document" (a row of another document), with the changed rows' count
+    and max_abs_change. gradients: also back-propagate a fixed dO; a token's row then holds dQ too (a function of the
+    tokens up to it), and for other documents dK and dV (an earlier key's dK, dV rightly depend on later queries)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     kv_heads = kv_heads or heads
     gen = torch.Generator().manual_seed(seed)
@@ -2267,9 +2190,8 @@ def audit_causality(attn_fn, *, heads=2, kv_heads=None, head_dim=64, doc_lens=AU
 
 
 def varlen_adapter(dense_fn):
-    """Wrap a causal attention callable on (batch, seqlen, heads, head_dim) tensors for audit_causality: the
-    documents become the batch (zero-padded at their end, which a causal row never sees), all in ONE call,
-    so statistics shared across the batch (a per-tensor scale) show up as document leaks."""
+    """Adapt a causal attention on (B, S, H, D) for audit_causality: documents become the batch (zero-padded at the
+    end, unseen by causal rows), in ONE call, so batch-wide statistics (per-tensor scales) show as document leaks."""
     def fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         bounds = cu_seqlens_q.tolist()
         offs = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
@@ -2280,16 +2202,14 @@ def varlen_adapter(dense_fn):
 
 
 # ---- 8. Triton's CPU interpreter: numerics fixes, applied wherever FLAMIA's kernels are interpreted ----
-# With TRITON_INTERPRET=1 set before triton is imported, every kernel above runs on the CPU in numpy. The
-# interpreter (triton/runtime/interpreter.py; seen in 3.6 to 3.9) has numerics bugs that would make FLAMIA
-# silently wrong there (a bf16 forward off by ~1e9): (1) tl.dot on bf16 operands multiplies the raw uint16
-# bit patterns; (2) float casts to bf16 / fp8 truncate, drop the rounding carry into the exponent, mis-round
-# subnormals and turn NaN/inf finite, widening ones too; (3) int -> bf16 stores the value as raw bits. The
-# GPU does all of it right. The fixes route those operations through torch's correctly rounded casts; if the
-# interpreter's internals have moved, FLAMIA refuses to run interpreted rather than compute garbage.
+# With TRITON_INTERPRET=1 set before triton is imported, every kernel above runs on the CPU in numpy. The interpreter
+# (triton/runtime/interpreter.py; seen in 3.6 to 3.9) has numerics bugs that would make FLAMIA silently wrong there
+# (a bf16 forward off by ~1e9): (1) tl.dot on bf16 operands multiplies the raw uint16 bit patterns; (2) float casts
+# to bf16 / fp8 truncate, drop the rounding carry into the exponent, mis-round subnormals and turn NaN/inf finite,
+# widening ones too; (3) int -> bf16 stores the value as raw bits. The fixes route those operations through torch's
+# correctly rounded casts; if the interpreter's internals have moved, FLAMIA refuses to run interpreted.
 INTERPRETED = not isinstance(_attn_fwd, triton.runtime.JITFunction)
-# Older interpreters fail on these kernels (3.6: numpy TypeErrors; 3.7: tl.dot_scaled); GPUs need >= 3.6.
-INTERPRETER_MIN_TRITON = (3, 8)
+INTERPRETER_MIN_TRITON = (3, 8)  # older: numpy TypeErrors (3.6), tl.dot_scaled fails (3.7); GPUs need >= 3.6
 
 
 def _fix_interpreter_numerics():
@@ -2301,7 +2221,6 @@ def _fix_interpreter_numerics():
     import numpy as np
     from triton._C.libtriton import ir
     from triton.runtime import interpreter as interp
-
     B = interp.InterpreterBuilder
     if getattr(interp, "_numerics_patched", False):
         return
@@ -2310,10 +2229,8 @@ def _fix_interpreter_numerics():
                            "cannot fix its numerics; unset TRITON_INTERPRET or use triton 3.8-3.9")
     # The interpreter stores bf16 / fp8 tensors as raw uint16 / uint8 bit patterns in numpy.
     torch_dt = {tl.float64: torch.float64, tl.float32: torch.float32, tl.float16: torch.float16,
-                tl.bfloat16: torch.bfloat16, tl.float8e4nv: torch.float8_e4m3fn,
-                tl.float8e5: torch.float8_e5m2}
-    # NVIDIA's fp8 convert (cvt.rn.satfinite) saturates overflow to the max finite value; torch's
-    # .to() gives NaN (e4m3fn) / inf (e5m2): clamp first (clamp keeps NaN).
+                tl.bfloat16: torch.bfloat16, tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
+    # NVIDIA's fp8 convert (cvt.rn.satfinite) saturates; torch's .to() gives NaN / inf: clamp first (keeps NaN).
     saturate = {tl.float8e4nv: E4M3_MAX, tl.float8e5: 57344.0}
     orig_convert, orig_dot, orig_cast = interp._convert_float, B.create_dot, B.cast_impl
 
