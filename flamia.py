@@ -333,8 +333,8 @@ class Plan:
         self.device = torch.device(device) if device is not None else cu_seqlens_q.device
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current GPU
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.cu_seqlens_q = _to_device(cu_seqlens_q, self.device)
-        self.cu_seqlens_k = self.cu_seqlens_q if same else _to_device(cu_seqlens_k, self.device)
+        self.cu_seqlens_q = self._on_device(cu_seqlens_q)
+        self.cu_seqlens_k = self.cu_seqlens_q if same else self._on_device(cu_seqlens_k)
         self.total_q, self.total_k = self.offsets_q[-1], self.offsets_k[-1]
         self.same_documents = same or self.offsets_q == self.offsets_k  # self-attention: one tile table, one launch
         lens = [(b - a, d - c) for a, b, c, d in
@@ -369,39 +369,38 @@ class Plan:
         for s in ("q", "k") if self.same_documents else (side,):  # self-attention: one read for both
             self._known[id(cu), s] = (weakref.ref(cu), cu._version)
 
+    def _on_device(self, x: torch.Tensor) -> torch.Tensor:
+        """x on the plan's device, no GPU sync (torch syncs after a pageable host tensor's copy, not a pinned one's):
+        a trainer builds a batch's tables in its step (first layer's forward, backward): a sync drains the GPU."""
+        if x.device.type == "cpu" and self.device.type == "cuda":
+            return x.pin_memory().to(self.device, non_blocking=True)
+        return x.to(self.device)
+
     def tiles(self, block: int, side: str, causal: bool = True, skip_masked: bool = True):
         """(n_tiles, 8) int32 table of the `block`-token tiles of the `side` ("q" or "k") documents, on the plan's
-        device (cached); skip_masked=False keeps masked tiles (the quantizer's). No GPU sync: a trainer builds the
-        tables inside a step (first layer's forward, backward), where a sync drains the GPU's queue."""
+        device (cached); skip_masked=False keeps masked tiles (the quantizer sees each token)."""
         key = (block, side, causal, skip_masked)
         if key not in self._tables:
-            sides = [torch.tensor(x) for x in (self.offsets_q, self.offsets_k, self.pad_q, self.pad_k)]
-            own, other, own_pad, other_pad = sides if side == "q" else (sides[1], sides[0], sides[3], sides[2])
-            n = (own.diff() + block - 1) // block  # tiles per document
-            d = torch.repeat_interleave(torch.arange(len(n)), n)  # each tile's document
-            o0, o1, t0, t1 = own[d], own[d + 1], other[d], other[d + 1]
-            s = o0 + (torch.arange(len(d)) - (n.cumsum(0) - n)[d]) * block  # start-aligned tiles
-            e = torch.minimum(s + block, o1)
-            lq, lk = (o1 - o0, t1 - t0) if side == "q" else (t1 - t0, o1 - o0)
-            shift = lk - lq  # bottom-right causal alignment: key pos <= query pos + shift
-            if not causal or not skip_masked:
-                cost = t1 - t0
-            elif side == "q":  # keys visible to the tile's last row
-                cost = torch.minimum(lk, (e - o0 + shift).clamp(min=0))
-            else:  # queries that see the tile's first key (query pos >= key pos - shift)
-                cost = torch.minimum(lq, (lq - (s - o0 - shift).clamp(min=0)).clamp(min=0))
-            keep = (cost > 0) | (not skip_masked)  # a fully masked tile is never launched
-            rows = torch.stack([s, e, o0, o1, t0, t1, other_pad[d], own_pad[d]], 1)[keep]
-            order = torch.sort(-cost[keep], stable=True).indices  # LPT: heaviest first, ties in document order
-            self._tables[key] = _to_device(rows[order].to(torch.int32), self.device)
+            q_side, q, k = side == "q", (self.offsets_q, self.pad_q), (self.offsets_k, self.pad_k)
+            (own, own_pad), (other, other_pad) = (q, k) if q_side else (k, q)
+            rows = []  # (-cost, table row)
+            for d in range(len(own) - 1):
+                o0, o1, t0, t1 = own[d], own[d + 1], other[d], other[d + 1]
+                lq, lk = (o1 - o0, t1 - t0) if q_side else (t1 - t0, o1 - o0)
+                shift = lk - lq  # bottom-right causal alignment: key pos <= query pos + shift
+                for s in range(o0, o1, block):
+                    e = min(s + block, o1)
+                    if not causal or not skip_masked:
+                        cost = t1 - t0
+                    elif q_side:  # keys visible to the tile's last row
+                        cost = min(lk, max(0, e - o0 + shift))
+                    else:  # queries that see the tile's first key (query pos >= key pos - shift)
+                        cost = min(lq, max(0, lq - max(0, s - o0 - shift)))
+                    if cost > 0 or not skip_masked:  # a fully masked tile is never launched
+                        rows.append((-cost, (s, e, o0, o1, t0, t1, other_pad[d], own_pad[d])))
+            rows.sort(key=lambda r: r[0])  # LPT: heaviest first (a stable sort: ties keep their order)
+            self._tables[key] = self._on_device(torch.tensor([r for _, r in rows], dtype=torch.int32).view(-1, 8))
         return self._tables[key]
-
-
-def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """x on `device`, no GPU sync (torch syncs the stream after copying a pageable host tensor, not a pinned one)."""
-    if x.device.type == "cpu" and device.type == "cuda":
-        return x.pin_memory().to(device, non_blocking=True)
-    return x.to(device)
 
 
 flamia_plan = Plan  # the Plan of a batch: build it once and pass it as plan= to every layer
