@@ -2683,6 +2683,38 @@ def test_leak_demo_leads_with_the_audit_and_keeps_its_own_files(tmp_path, cpu_tr
     assert cfg.out_dir == "mine"
 
 
+def test_losses_read_at_log_steps_only_are_every_steps_losses(tmp_path, cpu_training):
+    """The loop reads the GPU only at log, validation and checkpoint steps; what it reports then is every step's
+    loss, bit for bit those of a run that reads every step, and the CSV holds the log steps' rows."""
+    args = TINY + ["--max_steps", "8", "--eval_interval", "8", "--ckpt_interval", "100"]
+    every = tlm.main(args + ["--out_dir", str(tmp_path / "a")])
+    sparse = tlm.main(args + ["--out_dir", str(tmp_path / "b"), "--log_interval", "3"])
+    assert sparse["train_loss"] == every["train_loss"] and [s for s, _ in sparse["train_loss"]] == list(range(1, 9))
+    rows = (tmp_path / "b" / "log.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == ["3", "6", "8"], rows
+    assert all(float(r.split(",")[4]) > 0 for r in rows[1:]), rows  # tokens/s over each interval
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a GPU sync is what is tested")
+def test_training_steps_between_log_steps_do_not_sync(tmp_path, monkeypatch):
+    """Between log steps the host runs ahead of the GPU: no synchronizing call (torch's sync debug mode) from
+    one step's start to the next one's but across a log step, whose read of the losses is one."""
+    starts, lr_at = [], tlm.lr_at
+    monkeypatch.setattr(tlm, "lr_at", lambda cfg, i: (starts.append(len(caught)), lr_at(cfg, i))[1])  # each step
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            tlm.main(TINY + ["--max_steps", "8", "--log_interval", "4", "--eval_interval", "8",
+                             "--ckpt_interval", "100", "--out_dir", str(tmp_path)])
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    said = [str(w.message)[:200] for w in caught[starts[1]:starts[3]] + caught[starts[5]:starts[7]]]
+    assert len(starts) == 8 and not said, said  # steps 2-3 and 6-7 (step 1 warms up)
+    assert starts[4] > starts[3], "the log step's read is a sync: the debug mode must see it"
+
+
 def test_killed_run_keeps_its_log(tmp_path, cpu_training, monkeypatch):
     """log.csv is rewritten at every validation, so a run killed mid-way keeps its curve so far."""
     lr_at = tlm.lr_at

@@ -76,7 +76,7 @@ class Config:
     stop_at: int = 0  # stop (and checkpoint) after this step, schedule unchanged (0 = max_steps)
     eval_interval: int = 250  # validate every N steps and at the end
     eval_batches: int = 16  # validation batches per rank (the same ones every time)
-    log_interval: int = 10  # CSV row every N steps
+    log_interval: int = 10  # CSV row (loss, tokens/s over the interval) every N steps: the loop reads the GPU then
     ckpt_interval: int = 500  # checkpoint every N steps and at the end
     compile: bool = False  # torch.compile the model
     peak_tflops: float = 989.0  # MFU denominator per GPU in TFLOP/s: 989 = H200 dense bf16 (0 = no MFU)
@@ -545,8 +545,11 @@ def train(cfg: Config) -> dict:
 
     hist, val, stop = {"train_loss": [], "val_loss": []}, None, min(cfg.stop_at or cfg.max_steps, cfg.max_steps)
     bar = tqdm(range(step, stop), initial=step, total=stop, disable=rank != 0, desc="train", mininterval=1.0)
+    # The GPU is read (a sync) only at log, validation and checkpoint steps, as in nanoGPT: in the other steps the host
+    # packs the next batch, builds its plan and queues its kernels while the GPU still runs this one.
+    losses, tokens, flops, t0 = [], 0, 0.0, time.time()  # since the last read (validation, checkpoints: untimed)
     for i in bar:
-        t0, lr = time.time(), lr_at(cfg, i)
+        lr = lr_at(cfg, i)
         for g in opt.param_groups:
             g["lr"] = lr
         b = to_device(packer.next_batch(), device)
@@ -557,15 +560,20 @@ def train(cfg: Config) -> dict:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        stats = torch.stack([loss.detach().float(), torch.tensor(float(b.n_real), device=device)])
-        if world > 1:  # log the mean loss over ranks and the tokens of all ranks
+        losses.append(loss.detach().double())  # float64: the token count beside it stays exact
+        tokens, flops, step = tokens + b.n_real, flops + train_flops(cfg, n_matmul, b), i + 1
+        if not ((evaluating := step % cfg.eval_interval == 0 or step == stop) or step % cfg.log_interval == 0
+                or step % cfg.ckpt_interval == 0):
+            continue
+        stats = torch.stack(losses + [torch.full((), float(tokens), dtype=torch.float64, device=device)])
+        if world > 1:  # the mean loss over ranks and the tokens of all ranks
             dist.all_reduce(stats)
-            stats[0] /= world
-        (loss_v, n_tok), dt, step = stats.tolist(), time.time() - t0, i + 1  # .tolist() syncs: dt is real
-        mfu = train_flops(cfg, n_matmul, b) / dt / (cfg.peak_tflops * 1e12) if cfg.peak_tflops else 0
-        hist["train_loss"].append((step, loss_v))
+            stats[:-1] /= world
+        (*loss_vs, n_tok), dt = stats.tolist(), time.time() - t0  # .tolist() syncs: dt is real
+        hist["train_loss"] += zip(range(step - len(loss_vs) + 1, step + 1), loss_vs)
+        loss_v, mfu = loss_vs[-1], flops / dt / (cfg.peak_tflops * 1e12) if cfg.peak_tflops else 0
         bar.set_postfix_str(f"loss {loss_v:.3f} | {n_tok / dt / 1e3:.1f}k tok/s" + (f" | MFU {mfu:.1%}" if mfu else ""))
-        val = evaluate(raw, val_batches, ctx, world, device) if step % cfg.eval_interval == 0 or step == stop else None
+        val = evaluate(raw, val_batches, ctx, world, device) if evaluating else None
         if step % cfg.log_interval == 0 or val is not None:
             rows.append({"step": step, "train_loss": f"{loss_v:.6f}", "val_loss": "" if val is None else f"{val:.6f}",
                          "lr": f"{lr:.6g}", "tokens_per_s": f"{n_tok / dt:.1f}"})
@@ -576,6 +584,7 @@ def train(cfg: Config) -> dict:
                 write_log(csv_path, rows)
         if step % cfg.ckpt_interval == 0 or step == stop:
             save(ckpt_path, step, cfg, raw, opt, packer, rank, world)
+        losses, tokens, flops, t0 = [], 0, 0.0, time.time()
     if val is None:  # no step ran (e.g. --resume of a finished run): still report a val loss
         val = evaluate(raw, val_batches, ctx, world, device)
         hist["val_loss"].append((step, val))
