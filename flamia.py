@@ -1126,21 +1126,27 @@ def _kv_descriptors(kv, k_len, v_len, HK, stride_vd, D: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
-def _visible_pairs(kmask, offs_n, pos_q, BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
+def _visible_pairs(offs_n, pos_q, k_len, BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
                    PAIR_SAFEGUARD: tl.constexpr):
-    """(queries x keys) of a masked tile: the visible pairs, and those of them whose key block
-    straddles the query position (per-token K, V), or the visible ones again without the safeguard."""
-    visible = kmask[None, :]
-    if CAUSAL:
-        visible = visible & (offs_n[None, :] <= pos_q[:, None])
+    """(queries x keys) of a masked tile: the visible pairs, those of them whose key block straddles
+    the query position (per-token K, V; or the visible ones again without the safeguard), and each
+    row's last visible key: a row sees the keys up to it (before the document's end and, causal, up to
+    its position), a prefix of every tile, so one compare per pair decides."""
+    last = tl.minimum(pos_q, k_len - 1) if CAUSAL else tl.zeros_like(pos_q) + (k_len - 1)
+    visible = offs_n[None, :] <= last[:, None]
     same = visible
     if PAIR_SAFEGUARD:
         same = visible & _straddles(pos_q[:, None], offs_n[None, :], BLOCK_TOKENS)
-    return visible, same
+    return visible, same, last
 
 
 @triton.jit
-def _softmax_pv(state, s, qscale, ev, visible, same, start_n, V, VS, EVS, v_len, stride_vd, stride_vt,
+def _max(a, b):  # tl.associative_scan's combine
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _softmax_pv(state, s, qscale, ev, visible, same, last, start_n, V, VS, EVS, v_len, stride_vd, stride_vt,
                 D: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr,
                 PAIR_SAFEGUARD: tl.constexpr, ONE_SCALE: tl.constexpr, WORDS: tl.constexpr):
     """The online softmax and acc += P V for one key tile's scores s, both kernels': pairs that are
@@ -1153,12 +1159,17 @@ def _softmax_pv(state, s, qscale, ev, visible, same, start_n, V, VS, EVS, v_len,
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
     alpha = tl.exp2(m_i - m_use)
     if QUANT:
-        if MASKED:  # ref_i: the max of V's exponents over the keys each row SEES
-            ev_seen = tl.where(visible, ev[None, :], -1000)
-            if PAIR_SAFEGUARD:
-                ev_tok = _load_e8m0(EVS, start_n, v_len, 1, BLOCK_N, WORDS) - 127
-                ev_seen = tl.where(same, ev_tok[None, :], ev_seen)
+        # ref_i: the max of V's exponents over the keys each row SEES
+        if MASKED and PAIR_SAFEGUARD:  # straddling pairs read V's per-token copy: their exponents
+            ev_tok = _load_e8m0(EVS, start_n, v_len, 1, BLOCK_N, WORDS) - 127
+            ev_seen = tl.where(same, ev_tok[None, :], tl.where(visible, ev[None, :], -1000))
             ref_new = tl.maximum(ref_i, tl.max(ev_seen, 1))
+        elif MASKED:  # the keys a row sees are a prefix: the tile's running max at the row's last key,
+            # a scan over the keys and a gather per row (a masked 2-D max: ~10 instructions per pair,
+            # as Triton rebuilds the mask in the scales' layout)
+            seen = tl.gather(tl.associative_scan(ev, 0, _max),
+                             tl.minimum(tl.maximum(last - start_n, 0), BLOCK_N - 1), 0)
+            ref_new = tl.maximum(ref_i, tl.where(last >= start_n, seen, -1000))
         elif ONE_SCALE:
             ref_new = tl.maximum(ref_i, ev)
         else:  # every row sees every key: one max for the tile
@@ -1293,7 +1304,6 @@ def _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, kv, kv_tok, k_len, 
     KS, EKS, VS, EVS = kv_tok  # (triton 3.6 parses no nested unpacking)
     start_n = tl.multiple_of(start_n, BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)  # document-local key positions
-    kmask = offs_n < k_len
     ek_next, ev_next = _key_scales(EK, EV, start_n + BLOCK_N, k_len, v_len, BLOCK_N, K_OPERAND,
                                    ONE_SCALE, False)
     k = _load_keys(K, start_n, k_len, HK * D, D, BLOCK_N)
@@ -1304,12 +1314,12 @@ def _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, kv, kv_tok, k_len, 
         qscale = qscale * _exp2_int(ek)
     elif QUANT:
         s = s * _exp2_int(ek)[None, :]
-    visible, same = _visible_pairs(kmask, offs_n, pos_q, BLOCK_TOKENS, CAUSAL, PAIR_SAFEGUARD)
+    visible, same, last = _visible_pairs(offs_n, pos_q, k_len, BLOCK_TOKENS, CAUSAL, PAIR_SAFEGUARD)
     if MASKED and PAIR_SAFEGUARD and K_OPERAND == "e4m3":  # FP4 K is per token: only V has a copy
         ks = _load_keys(KS, start_n, k_len, HK * D, D, BLOCK_N)
         eks = _load_e8m0(EKS, start_n, v_len, 127, BLOCK_N, False)
         s = tl.where(same, tl.dot(q, tl.trans(ks)) * _exp2_int(eks.to(tl.int32))[None, :], s)
-    state = _softmax_pv(state, s, qscale, ev, visible, same, start_n, V, VS, EVS, v_len, stride_vd,
+    state = _softmax_pv(state, s, qscale, ev, visible, same, last, start_n, V, VS, EVS, v_len, stride_vd,
                         stride_vt, D, BLOCK_N, QUANT, MASKED, PAIR_SAFEGUARD, ONE_SCALE, False)
     return state, ek_next, ev_next
 
@@ -1375,7 +1385,6 @@ def _attn_fwd_blackwell_step(state, ek, ev, q, q_e8, qscale, pos_q, start_n, kv,
     KS, EKS, VS, EVS = kv_tok  # (triton 3.6 parses no nested unpacking)
     start_n = tl.multiple_of(start_n, BLOCK_N)
     offs_n = start_n + tl.arange(0, BLOCK_N)  # document-local key positions
-    kmask = offs_n < k_len
     ek_next, ev_next = _key_scales(EK, EV, start_n + BLOCK_N, k_len, v_len, BLOCK_N, K_OPERAND, False, True)
     if K_OPERAND == "fp4_packed":  # E4M3 x E2M1, both with E8M0 block scales
         k = _load_keys(K, start_n, k_len, HK * D // 2, D // 2, BLOCK_N, 0)
@@ -1384,13 +1393,13 @@ def _attn_fwd_blackwell_step(state, ek, ev, q, q_e8, qscale, pos_q, start_n, kv,
     else:
         k = _load_keys(K, start_n, k_len, HK * D, D, BLOCK_N)
         s = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(k), _e8m0_blocks(ek, D), "e4m3")
-    visible, same = _visible_pairs(kmask, offs_n, pos_q, BLOCK_TOKENS, CAUSAL, PAIR_SAFEGUARD)
+    visible, same, last = _visible_pairs(offs_n, pos_q, k_len, BLOCK_TOKENS, CAUSAL, PAIR_SAFEGUARD)
     if MASKED and PAIR_SAFEGUARD and K_OPERAND == "e4m3":  # FP4 K is per token: only V has a copy
         ks = _load_keys(KS, start_n, k_len, HK * D, D, BLOCK_N)
         eks = _load_e8m0(EKS, start_n, v_len, 127, BLOCK_N, True)
         s_tok = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(ks), _e8m0_blocks(eks, D), "e4m3")
         s = tl.where(same, s_tok, s)
-    state = _softmax_pv(state, s, qscale, ev, visible, same, start_n, V, VS, EVS, v_len, stride_vd,
+    state = _softmax_pv(state, s, qscale, ev, visible, same, last, start_n, V, VS, EVS, v_len, stride_vd,
                         stride_vt, D, BLOCK_N, True, MASKED, PAIR_SAFEGUARD, False, True)
     return state, ek_next, ev_next
 
@@ -1675,7 +1684,7 @@ def _attn_bwd_dq_step(dq, q, do, lse2, delta, pos_q, start_n, keys, k_len, HK, s
     s = tl.dot(q, tl.trans(k))
     dp = tl.dot(do, tl.trans(v))
     if MASKED:
-        visible, same = _visible_pairs(kmask, offs_n, pos_q, BLOCK_TOKENS, CAUSAL, PAIR_SAFEGUARD)
+        visible, same, _ = _visible_pairs(offs_n, pos_q, k_len, BLOCK_TOKENS, CAUSAL, PAIR_SAFEGUARD)
         if PAIR_SAFEGUARD:
             if not K_SCALED:  # FP4 K is per token: its own copy
                 ks = _load_keys(KS, start_n, k_len, HK * D, D, BLOCK_N)
