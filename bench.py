@@ -887,9 +887,21 @@ def sm90_facts(ck):
         fmad = [] if ck.metadata.enable_fp_fusion else ["--fmad=false"]
         log = subprocess.run([ptxas, "-lineinfo", *fmad, "-v", "--gpu-name=sm_90a", path, "-o", path + ".o"],
                              capture_output=True, text=True).stderr
+        with open(path + ".cubin", "wb") as f:
+            f.write(ck.asm["cubin"])
+        sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass", path + ".cubin"],
+                              capture_output=True, text=True).stdout
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     mma = re.findall(r"wgmma\.mma_async[\w.:]*", ptx)
-    return dict(wgmma_kinds=sorted({k for m in mma for k in m.split(".")[-2:]}), n_wgmma=len(mma),
+    # the key loops: innermost SASS loops (a backward branch's range) that issue MMAs; their length is the
+    # per-tile cost the schedule has to hide (e.g. the forward's unmasked and masked key tiles)
+    ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = [(int(m.group(1), 16), a) for a, t in ins
+             if (m := re.search(r"BRA\s.*?0x([0-9a-f]+)", t)) and int(m.group(1), 16) < a]
+    inner = [(b, e) for b, e in loops if not any(b <= b2 and e2 <= e and (b2, e2) != (b, e) for b2, e2 in loops)]
+    key_loops = [n for b, e in sorted(inner) if (body := [t for a, t in ins if b <= a <= e])
+                 and any("GMMA" in t for t in body) for n in (len(body),)]
+    return dict(wgmma_kinds=sorted({k for m in mma for k in m.split(".")[-2:]}), n_wgmma=len(mma), key_loops=key_loops,
                 spill_bytes=sum(int(a) + int(b) for a, b in spills) if spills else None,
                 shared=ck.metadata.shared, tma="cp.async.bulk.tensor" in ptx,
                 warp_specialized="ttg.warp_specialize" in ttgir,
@@ -916,7 +928,8 @@ def bench_sm90(args):
             rows.append(row)
             print(f"{config:18s} {fn.__name__:17s} " + (row["error"][:120] if "error" in row else
                   f"wgmma {','.join(row['wgmma_kinds'])} x{row['n_wgmma']}, {row['spill_bytes']} B spilled, "
-                  f"{row['shared']} B shared, TMA {row['tma']}, warp-specialized {row['warp_specialized']}"
+                  f"{row['shared']} B shared, TMA {row['tma']}, warp-specialized {row['warp_specialized']}, "
+                  f"key loops {row['key_loops']} SASS instructions"
                   + (f", ptxas: {row['ptxas_warnings']}" if row["ptxas_warnings"] else "")
                   + (f", LAUNCHER: {row['launcher_error']}" if row["launcher_error"] else "")), flush=True)
     return rows

@@ -384,8 +384,7 @@ class Plan:
             side = "k"  # every tile costs its document's length on either side: one table serves both
         key = (block, side, causal, skip_masked)
         if key not in self._tables:
-            # vectorized in numpy (a loop costs ~1 us per tile; torch ops ~10 us each): a trainer builds these in
-            # every step, in its first layer, where they delay the GPU's first kernels
+            # numpy (a loop: ~1 us per tile; torch ops: ~10 us each): a trainer builds these in every step
             q_side, q, k = side == "q", (self.offsets_q, self.pad_q), (self.offsets_k, self.pad_k)
             own, own_pad, other, other_pad = (np.asarray(x, np.int64) for x in ((*q, *k) if q_side else (*k, *q)))
             lo, lt = np.diff(own), np.diff(other)  # own, other document lengths
@@ -1128,10 +1127,9 @@ def _kv_descriptors(kv, k_len, v_len, HK, stride_vd, D: tl.constexpr, BLOCK_N: t
 @triton.jit
 def _visible_pairs(offs_n, pos_q, k_len, BLOCK_TOKENS: tl.constexpr, CAUSAL: tl.constexpr,
                    PAIR_SAFEGUARD: tl.constexpr):
-    """(queries x keys) of a masked tile: the visible pairs, those of them whose key block straddles
-    the query position (per-token K, V; or the visible ones again without the safeguard), and each
-    row's last visible key: a row sees the keys up to it (before the document's end and, causal, up to
-    its position), a prefix of every tile, so one compare per pair decides."""
+    """(queries x keys) of a masked tile: the visible pairs, those whose key block straddles the query position
+    (per-token K, V; without the safeguard: the visible ones again), and each row's last visible key (before the
+    document's end and, causal, up to its position): a row sees a prefix of every tile, one compare per pair."""
     last = tl.minimum(pos_q, k_len - 1) if CAUSAL else tl.zeros_like(pos_q) + (k_len - 1)
     visible = offs_n[None, :] <= last[:, None]
     same = visible
@@ -1164,9 +1162,8 @@ def _softmax_pv(state, s, qscale, ev, visible, same, last, start_n, V, VS, EVS, 
             ev_tok = _load_e8m0(EVS, start_n, v_len, 1, BLOCK_N, WORDS) - 127
             ev_seen = tl.where(same, ev_tok[None, :], tl.where(visible, ev[None, :], -1000))
             ref_new = tl.maximum(ref_i, tl.max(ev_seen, 1))
-        elif MASKED:  # the keys a row sees are a prefix: the tile's running max at the row's last key,
-            # a scan over the keys and a gather per row (a masked 2-D max: ~10 instructions per pair,
-            # as Triton rebuilds the mask in the scales' layout)
+        elif MASKED:  # a row sees a prefix: the running max at its last key (a masked 2-D max costs ~10
+            # instructions per pair: Triton rebuilds the mask in the scales' layout)
             seen = tl.gather(tl.associative_scan(ev, 0, _max),
                              tl.minimum(tl.maximum(last - start_n, 0), BLOCK_N - 1), 0)
             ref_new = tl.maximum(ref_i, tl.where(last >= start_n, seen, -1000))

@@ -2905,6 +2905,7 @@ def test_hopper_kernels_compile_for_sm90(config, tmp_path):
         assert f["shared"] <= SM90_MAX_SHARED, what
         limit = SM90_SPILL_BYTES[config, kind] if gluon else SM90_TL_SPILL_BYTES[f["kernel"]]
         assert f["spill_bytes"] <= limit, what
+        assert f["key_loops"], what  # every kernel loops over key (or query) tiles issuing its MMAs
         assert not [w for w in f["ptxas_warnings"] if "wgmma" in w.lower()], what  # C7514/5: serialized
         assert f["launcher_error"] is None, what  # compiles, yet no GPU could launch it
 
