@@ -1037,15 +1037,39 @@ def _e8m0_blocks(e, D: tl.constexpr):
     return tl.broadcast_to(e.to(tl.uint8)[:, None], (e.shape[0], D // 32))
 
 
+# Hopper's fp8 wgmma takes P from registers in another layout than the fp32 accumulator it was computed in: of
+# each 16 keys, a thread's accumulator holds columns 2q, 2q+1, 2q+8, 2q+9 (q = lane % 4), its fp8 A operand the
+# contraction's columns 4q .. 4q+3. Converting costs shuffles, byte permutes and selects (~0.8 instructions per
+# score). FA3's remedy: compute the scores of the keys in an order where the accumulator's registers ARE the
+# operand's: the unmasked fp8 tiles load K, its scales and V's exponents in _key_order(WGMMA_ORDER=True), and
+# _in_key_order relabels P back to key order, V's order (register renaming, no instructions: sm_90a SASS).
 @triton.jit
-def _load_keys(K, start_n, k_len, stride, W: tl.constexpr, BLOCK_N: tl.constexpr, other=0.0):
-    """A (BLOCK_N, W) tile of K (rows = the document-local keys from start_n): K points at the
-    document start and the head, rows `stride` elements apart; or K is the TMA descriptor of
-    exactly that range (Blackwell), whose boxes read zeros past the document's end."""
+def _key_order(BLOCK_N: tl.constexpr, WGMMA_ORDER: tl.constexpr):
+    """Offsets 0 .. BLOCK_N-1 of a key tile in the order its scores are computed: position 16g + 8h + 2q + b
+    holds key 16g + 4q + 2h + b with WGMMA_ORDER, else key order."""
+    c = tl.arange(0, BLOCK_N)
+    if WGMMA_ORDER:
+        c = (c & ~15) | (((c >> 1) & 3) << 2) | ((c >> 2) & 2) | (c & 1)
+    return c
+
+
+@triton.jit
+def _in_key_order(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """P (BLOCK_M, BLOCK_N) computed in _key_order(WGMMA_ORDER=True), its columns in key order."""
+    p = tl.permute(tl.reshape(p, (BLOCK_M, BLOCK_N // 16, 2, 4, 2)), (0, 1, 3, 2, 4))
+    return tl.reshape(p, (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
+def _load_keys(K, start_n, k_len, stride, W: tl.constexpr, BLOCK_N: tl.constexpr, other=0.0,
+               WGMMA_ORDER: tl.constexpr = False):
+    """A (BLOCK_N, W) tile of K (rows = the document-local keys from start_n, in _key_order): K
+    points at the document start and the head, rows `stride` elements apart; or K is the TMA
+    descriptor of exactly that range (Blackwell), whose boxes read zeros past the document's end."""
     if isinstance(K, tl.tensor_descriptor):
         k = K.load([start_n, 0])
     else:
-        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_n = start_n + _key_order(BLOCK_N, WGMMA_ORDER)
         # one offset tensor, then one pointer add: a pointer tensor is 64-bit per element
         k = tl.load(K + (offs_n[:, None] * stride + tl.arange(0, W)[None, :]),
                     mask=(offs_n < k_len)[:, None], other=other)
@@ -1073,8 +1097,9 @@ def _load_values(V, start_n, v_len, stride_vd, stride_vt, D: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _load_e8m0(E, n0, n_valid, other: tl.constexpr, BLOCK: tl.constexpr, WORDS: tl.constexpr):
-    """E[n0 + i], i < BLOCK, as int32 (`other` from n_valid on) from an E8M0 row in the padded
+def _load_e8m0(E, n0, n_valid, other: tl.constexpr, BLOCK: tl.constexpr, WORDS: tl.constexpr,
+               WGMMA_ORDER: tl.constexpr = False):
+    """E[n0 + i], i < BLOCK (in _key_order), as int32 (`other` from n_valid on) from an E8M0 row in the padded
     layout: E + n0 is 16-byte aligned and n_valid a multiple of 16. WORDS (Blackwell): read in
     aligned little-endian 32-bit words, where Triton would load each byte the MMA's scale layout
     holds on its own; on Hopper that unpacking costs more registers than the bytes save."""
@@ -1084,15 +1109,15 @@ def _load_e8m0(E, n0, n_valid, other: tl.constexpr, BLOCK: tl.constexpr, WORDS: 
                     mask=words * 4 < n_valid, other=other * 0x01010101)
         e = tl.reshape((w[:, None] >> (tl.arange(0, 4) * 8)[None, :]) & 0xFF, (BLOCK,))
     else:
-        offs = n0 + tl.arange(0, BLOCK)
+        offs = n0 + _key_order(BLOCK, WGMMA_ORDER)
         e = tl.load(E + offs, mask=offs < n_valid, other=other).to(tl.int32)
     return e
 
 
 @triton.jit
 def _key_scales(EK, EV, n0, k_len, v_len, BLOCK_N: tl.constexpr, K_OPERAND: tl.constexpr,
-                ONE_SCALE: tl.constexpr, WORDS: tl.constexpr):
-    """The scales of the key tile starting at n0: K's (E8M0 byte as int32, or FP4's FP32 second
+                ONE_SCALE: tl.constexpr, WORDS: tl.constexpr, WGMMA_ORDER: tl.constexpr = False):
+    """The scales of the key tile starting at n0 (keys in _key_order): K's (E8M0 byte as int32, or FP4's FP32 second
     level) and V's unbiased exponent (-126 past the document: it never raises ref_i). ONE_SCALE:
     the tile lies inside one scale block (B_t a multiple of the tile width): scalars."""
     if K_OPERAND == "bf16":
@@ -1103,11 +1128,11 @@ def _key_scales(EK, EV, n0, k_len, v_len, BLOCK_N: tl.constexpr, K_OPERAND: tl.c
         ev = tl.load(EV + n0, mask=n0 < v_len, other=1).to(tl.int32) - 127
     else:
         if K_OPERAND == "e4m3":
-            ek = _load_e8m0(EK, n0, v_len, 127, BLOCK_N, WORDS)
+            ek = _load_e8m0(EK, n0, v_len, 127, BLOCK_N, WORDS, WGMMA_ORDER)
         else:  # FP4's second level is token-indexed (HK, Tk) fp32
-            offs_n = n0 + tl.arange(0, BLOCK_N)
+            offs_n = n0 + _key_order(BLOCK_N, WGMMA_ORDER)
             ek = tl.load(EK + offs_n, mask=offs_n < k_len, other=1.0)
-        ev = _load_e8m0(EV, n0, v_len, 1, BLOCK_N, WORDS) - 127
+        ev = _load_e8m0(EV, n0, v_len, 1, BLOCK_N, WORDS, WGMMA_ORDER) - 127
     return ek, ev
 
 
@@ -1146,10 +1171,12 @@ def _max(a, b):  # tl.associative_scan's combine
 @triton.jit
 def _softmax_pv(state, s, qscale, ev, visible, same, last, start_n, V, VS, EVS, v_len, stride_vd, stride_vt,
                 D: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr,
-                PAIR_SAFEGUARD: tl.constexpr, ONE_SCALE: tl.constexpr, WORDS: tl.constexpr):
+                PAIR_SAFEGUARD: tl.constexpr, ONE_SCALE: tl.constexpr, WORDS: tl.constexpr,
+                WGMMA_ORDER: tl.constexpr):
     """The online softmax and acc += P V for one key tile's scores s, both kernels': pairs that are
     not `visible` (MASKED tiles) masked out; Q's row factor qscale (> 0) applied inside the exp2's
-    FMA, after the row max: max_j(s * qscale) = qscale * max_j(s) exactly."""
+    FMA, after the row max: max_j(s * qscale) = qscale * max_j(s) exactly. WGMMA_ORDER: s and ev
+    in _key_order (unmasked tiles: every reduction here is over the whole row)."""
     acc, l_i, m_i, ref_i = state
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
@@ -1188,16 +1215,18 @@ def _softmax_pv(state, s, qscale, ev, visible, same, last, start_n, V, VS, EVS, 
         acc = acc * tl.exp2((m_i - m_use) + (ref_i - ref_new).to(tl.float32))[:, None]
         # loaded late: a shorter live range
         v = _load_values(V, start_n, v_len, stride_vd, stride_vt, D, BLOCK_N, MASKED)
-        if ONE_SCALE:
-            acc = tl.dot(p_v.to(tl.float8e4nv), v, acc)
-        elif PAIR_SAFEGUARD:
+        if PAIR_SAFEGUARD:
             p_v = tl.where(same, 0.0, p_ref * _exp2_int(ev + 127)[None, :])
             acc = tl.dot(p_v.to(tl.float8e4nv), v, acc)
             vs = _load_values(VS, start_n, v_len, stride_vd, stride_vt, D, BLOCK_N, True)
             p_v = tl.where(same, p_ref * _exp2_int(ev_tok + 127)[None, :], 0.0)
             acc = tl.dot(p_v.to(tl.float8e4nv), vs, acc)
-        else:  # p_v = p * 2^(ev - ref + 8) <= 2^8: inside E4M3's range, no saturation
-            acc = tl.dot((p_ref * _exp2_int(ev + 127)[None, :]).to(tl.float8e4nv), v, acc)
+        else:
+            if not ONE_SCALE:  # p_v = p * 2^(ev - ref + 8) <= 2^8: inside E4M3's range, no saturation
+                p_v = p_ref * _exp2_int(ev + 127)[None, :]
+            if WGMMA_ORDER:
+                p_v = _in_key_order(p_v, p_v.shape[0], BLOCK_N)
+            acc = tl.dot(p_v.to(tl.float8e4nv), v, acc)
         ref_i = ref_new
     else:
         p = tl.exp2(s * qscale[:, None] - m_use[:, None])
@@ -1297,13 +1326,14 @@ def _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, kv, kv_tok, k_len, 
                    CAUSAL: tl.constexpr, MASKED: tl.constexpr, K_OPERAND: tl.constexpr,
                    PAIR_SAFEGUARD: tl.constexpr, ONE_SCALE: tl.constexpr):
     QUANT: tl.constexpr = K_OPERAND != "bf16"
+    WGMMA_ORDER: tl.constexpr = QUANT and not MASKED  # masked tiles scan V's exponents in key order
     K, EK, V, EV = kv
     KS, EKS, VS, EVS = kv_tok  # (triton 3.6 parses no nested unpacking)
     start_n = tl.multiple_of(start_n, BLOCK_N)
-    offs_n = start_n + tl.arange(0, BLOCK_N)  # document-local key positions
+    offs_n = start_n + _key_order(BLOCK_N, WGMMA_ORDER)  # document-local key positions
     ek_next, ev_next = _key_scales(EK, EV, start_n + BLOCK_N, k_len, v_len, BLOCK_N, K_OPERAND,
-                                   ONE_SCALE, False)
-    k = _load_keys(K, start_n, k_len, HK * D, D, BLOCK_N)
+                                   ONE_SCALE, False, WGMMA_ORDER)
+    k = _load_keys(K, start_n, k_len, HK * D, D, BLOCK_N, 0.0, WGMMA_ORDER)
     s = tl.dot(q, tl.trans(k))  # with K's (column) scales:
     if K_OPERAND == "fp4_decoded":
         s = s * ek[None, :]
@@ -1317,7 +1347,7 @@ def _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, kv, kv_tok, k_len, 
         eks = _load_e8m0(EKS, start_n, v_len, 127, BLOCK_N, False)
         s = tl.where(same, tl.dot(q, tl.trans(ks)) * _exp2_int(eks.to(tl.int32))[None, :], s)
     state = _softmax_pv(state, s, qscale, ev, visible, same, last, start_n, V, VS, EVS, v_len, stride_vd,
-                        stride_vt, D, BLOCK_N, QUANT, MASKED, PAIR_SAFEGUARD, ONE_SCALE, False)
+                        stride_vt, D, BLOCK_N, QUANT, MASKED, PAIR_SAFEGUARD, ONE_SCALE, False, WGMMA_ORDER)
     return state, ek_next, ev_next
 
 
@@ -1353,7 +1383,7 @@ def _attn_fwd(
     state = _fwd_state(BLOCK_M, D)
     n_full, n_end = _key_range(tile, BLOCK_N, BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
     ONE_SCALE: tl.constexpr = K_OPERAND == "e4m3" and BLOCK_TOKENS % BLOCK_N == 0  # (_key_scales)
-    ek, ev = _key_scales(kv[1], kv[3], 0, k_len, v_len, BLOCK_N, K_OPERAND, ONE_SCALE, False)
+    ek, ev = _key_scales(kv[1], kv[3], 0, k_len, v_len, BLOCK_N, K_OPERAND, ONE_SCALE, False, QUANT)
     for start_n in range(0, n_full, BLOCK_N):
         state, ek, ev = _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, kv, kv_tok, k_len, v_len,
                                        HK, stride_vd, stride_vt, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False,
@@ -1397,7 +1427,7 @@ def _attn_fwd_blackwell_step(state, ek, ev, q, q_e8, qscale, pos_q, start_n, kv,
         s_tok = tl.dot_scaled(q, q_e8, "e4m3", tl.trans(ks), _e8m0_blocks(eks, D), "e4m3")
         s = tl.where(same, s_tok, s)
     state = _softmax_pv(state, s, qscale, ev, visible, same, last, start_n, V, VS, EVS, v_len, stride_vd,
-                        stride_vt, D, BLOCK_N, True, MASKED, PAIR_SAFEGUARD, False, True)
+                        stride_vt, D, BLOCK_N, True, MASKED, PAIR_SAFEGUARD, False, True, False)
     return state, ek_next, ev_next
 
 
