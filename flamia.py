@@ -1041,7 +1041,7 @@ def _e8m0_blocks(e, D: tl.constexpr):
 # each 16 keys, a thread's accumulator holds columns 2q, 2q+1, 2q+8, 2q+9 (q = lane % 4), its fp8 A operand the
 # contraction's columns 4q .. 4q+3. Converting costs shuffles, byte permutes and selects (~0.8 instructions per
 # score). FA3's remedy: compute the scores of the keys in an order where the accumulator's registers ARE the
-# operand's: the unmasked fp8 tiles load K, its scales and V's exponents in _key_order(WGMMA_ORDER=True), and
+# operand's: the unmasked E4M3 tiles load K, its scales and V's exponents in _key_order(WGMMA_ORDER=True), and
 # _in_key_order relabels P back to key order, V's order (register renaming, no instructions: sm_90a SASS).
 @triton.jit
 def _key_order(BLOCK_N: tl.constexpr, WGMMA_ORDER: tl.constexpr):
@@ -1324,9 +1324,8 @@ def _fwd_store(state, O, LSE, offs_m, qmask, h, H, T_Q, D: tl.constexpr, QUANT: 
 def _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, kv, kv_tok, k_len, v_len, HK, stride_vd,
                    stride_vt, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
                    CAUSAL: tl.constexpr, MASKED: tl.constexpr, K_OPERAND: tl.constexpr,
-                   PAIR_SAFEGUARD: tl.constexpr, ONE_SCALE: tl.constexpr):
+                   PAIR_SAFEGUARD: tl.constexpr, ONE_SCALE: tl.constexpr, WGMMA_ORDER: tl.constexpr):
     QUANT: tl.constexpr = K_OPERAND != "bf16"
-    WGMMA_ORDER: tl.constexpr = QUANT and not MASKED  # masked tiles scan V's exponents in key order
     K, EK, V, EV = kv
     KS, EKS, VS, EVS = kv_tok  # (triton 3.6 parses no nested unpacking)
     start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -1383,11 +1382,14 @@ def _attn_fwd(
     state = _fwd_state(BLOCK_M, D)
     n_full, n_end = _key_range(tile, BLOCK_N, BLOCK_TOKENS, CAUSAL, SAFEGUARD != "off")
     ONE_SCALE: tl.constexpr = K_OPERAND == "e4m3" and BLOCK_TOKENS % BLOCK_N == 0  # (_key_scales)
-    ek, ev = _key_scales(kv[1], kv[3], 0, k_len, v_len, BLOCK_N, K_OPERAND, ONE_SCALE, False, QUANT)
+    # Unmasked E4M3 tiles in wgmma's order (masked ones scan V's exponents in key order; with FP4's decoded K the
+    # scale loads' address arithmetic cost more than the shuffles saved: sm_90a SASS)
+    WGMMA_ORDER: tl.constexpr = K_OPERAND == "e4m3"
+    ek, ev = _key_scales(kv[1], kv[3], 0, k_len, v_len, BLOCK_N, K_OPERAND, ONE_SCALE, False, WGMMA_ORDER)
     for start_n in range(0, n_full, BLOCK_N):
         state, ek, ev = _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, kv, kv_tok, k_len, v_len,
                                        HK, stride_vd, stride_vt, D, BLOCK_N, BLOCK_TOKENS, CAUSAL, False,
-                                       K_OPERAND, False, ONE_SCALE)
+                                       K_OPERAND, False, ONE_SCALE, WGMMA_ORDER)
     # Masked tiles (the diagonal) are MASKED_N keys wide: narrower tiles there waste fewer masked
     # pairs and keep the mask and safeguard temporaries within the register budget.
     if SAFEGUARD == "tile":  # every masked tile lies in the query tile's own key block
@@ -1396,7 +1398,7 @@ def _attn_fwd(
     for start_n in range(n_full, n_end, MASKED_N):
         state, ek, ev = _attn_fwd_step(state, ek, ev, q, qscale, pos_q, start_n, kv, kv_tok, k_len, v_len,
                                        HK, stride_vd, stride_vt, D, MASKED_N, BLOCK_TOKENS, CAUSAL, True,
-                                       K_OPERAND, SAFEGUARD == "pair", False)
+                                       K_OPERAND, SAFEGUARD == "pair", False, False)
     _fwd_store(state, O, LSE, offs_m, qmask, h, H, T_Q, D, QUANT)
 
 
