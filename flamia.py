@@ -1039,7 +1039,7 @@ def _e8m0_blocks(e, D: tl.constexpr):
 
 # Hopper's fp8 wgmma takes P from registers in another layout than the fp32 accumulator it was computed in: of
 # each 16 keys, a thread's accumulator holds columns 2q, 2q+1, 2q+8, 2q+9 (q = lane % 4), its fp8 A operand the
-# contraction's columns 4q .. 4q+3. Converting costs shuffles, byte permutes and selects (~0.8 instructions per
+# contraction's columns 4q .. 4q+3. Converting costs shuffles, byte permutes and selects (~0.9-1 instruction per
 # score). FA3's remedy: compute the scores of the keys in an order where the accumulator's registers ARE the
 # operand's: the unmasked E4M3 tiles load K, its scales and V's exponents in _key_order(WGMMA_ORDER=True), and
 # _in_key_order relabels P back to key order, V's order (register renaming, no instructions: sm_90a SASS).
