@@ -1040,9 +1040,8 @@ def _e8m0_blocks(e, D: tl.constexpr):
 # Hopper's fp8 wgmma takes P from registers in another layout than the fp32 accumulator it was computed in: of
 # each 16 keys, a thread's accumulator holds columns 2q, 2q+1, 2q+8, 2q+9 (q = lane % 4), its fp8 A operand the
 # contraction's columns 4q .. 4q+3. Converting costs shuffles, byte permutes and selects (~0.9-1 instruction per
-# score). FA3's remedy: compute the scores of the keys in an order where the accumulator's registers ARE the
-# operand's: the unmasked E4M3 tiles load K, its scales and V's exponents in _key_order(WGMMA_ORDER=True), and
-# _in_key_order relabels P back to key order, V's order (register renaming, no instructions: sm_90a SASS).
+# score). FA3's remedy: the unmasked E4M3 tiles load K, its scales and V's exponents in _key_order(WGMMA_ORDER=True),
+# so the accumulator's registers ARE the operand's; _in_key_order relabels P to V's key order (no instructions).
 @triton.jit
 def _key_order(BLOCK_N: tl.constexpr, WGMMA_ORDER: tl.constexpr):
     """Offsets 0 .. BLOCK_N-1 of a key tile in the order its scores are computed: position 16g + 8h + 2q + b
@@ -1130,7 +1129,7 @@ def _key_scales(EK, EV, n0, k_len, v_len, BLOCK_N: tl.constexpr, K_OPERAND: tl.c
         if K_OPERAND == "e4m3":
             ek = _load_e8m0(EK, n0, v_len, 127, BLOCK_N, WORDS, WGMMA_ORDER)
         else:  # FP4's second level is token-indexed (HK, Tk) fp32
-            offs_n = n0 + _key_order(BLOCK_N, WGMMA_ORDER)
+            offs_n = n0 + tl.arange(0, BLOCK_N)  # (never in wgmma's order: _attn_fwd)
             ek = tl.load(EK + offs_n, mask=offs_n < k_len, other=1.0)
         ev = _load_e8m0(EV, n0, v_len, 1, BLOCK_N, WORDS, WGMMA_ORDER) - 127
     return ek, ev
